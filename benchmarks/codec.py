@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Codec ratios and one-core speeds on real KV pages, beside plain zstd.
+
+For bf16 and fp16 pages cut from ../shared/data/kv-minilm (16 tokens, SPEC
+§1 layout) and for os.urandom pages of the same size, prints for every pffs
+codec the ratio and MB/s to compress and decompress a page at a time on one
+core, next to plain zstd level 1 and 19 (python-zstandard, no pffs framing)
+and the zstd command line, all measured in this run; then sha256 MB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zstandard
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from pffs import codec  # noqa: E402
+
+
+def pages_of(kind: str) -> list[bytes]:
+    if kind == "urandom":
+        return [os.urandom(147456) for _ in range(128)]
+    from conftest import kv_pages
+    return kv_pages(kind)
+
+
+def timed(fn, items, min_time=0.3):
+    """Best MB/s over repeated passes (at least min_time seconds in all)."""
+    total = sum(len(x) for x in items)
+    best = 0.0
+    spent = 0.0
+    out = None
+    while spent < min_time or best == 0.0:
+        t0 = time.perf_counter()
+        out = [fn(x) for x in items]
+        dt = time.perf_counter() - t0
+        spent += dt
+        best = max(best, total / dt / 1e6)
+    return best, out
+
+
+def cli_zstd(pages: list[bytes], level: int) -> tuple[float, float]:
+    """zstd CLI compressing the pages as files (one process for all): ratio, MB/s."""
+    exe = shutil.which("zstd")
+    if not exe:
+        return float("nan"), float("nan")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d, "src")
+        src.mkdir()
+        for i, p in enumerate(pages):
+            (src / f"{i:06d}").write_bytes(p)
+        out = Path(d, "out")
+        out.mkdir()
+        files = sorted(str(p) for p in src.iterdir())
+        t0 = time.perf_counter()
+        subprocess.run([exe, f"-{level}", "-q", "-T1", "--output-dir-flat", str(out), *files], check=True)
+        dt = time.perf_counter() - t0
+        stored = sum(p.stat().st_size for p in out.iterdir())
+    raw = sum(map(len, pages))
+    return raw / stored, raw / dt / 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    args = ap.parse_args()
+    print(f"{'data':8} {'codec':22} {'ratio':>7} {'comp MB/s':>10} {'decomp MB/s':>12}")
+    for kind in ("bf16", "fp16", "urandom"):
+        pages = pages_of(kind)
+        raw = sum(map(len, pages))
+        rows = []
+        for name in ("planes-zstd1", "zstd-1", "zstd-19", "raw"):
+            c = codec.parse_codec(name)
+            cmb, frames = timed(lambda p: codec.encode(p, c), pages, args.min_time)
+            dmb, _ = timed(codec.decode, frames, args.min_time)
+            rows.append((f"pffs {name}", raw / sum(map(len, frames)), cmb, dmb))
+        for level in (1, 19):
+            z = zstandard.ZstdCompressor(level=level)
+            dz = zstandard.ZstdDecompressor()
+            cmb, frames = timed(z.compress, pages, args.min_time)
+            dmb, _ = timed(dz.decompress, frames, args.min_time)
+            rows.append((f"plain zstd-{level}", raw / sum(map(len, frames)), cmb, dmb))
+        for level in (1, 19):
+            ratio, mbs = cli_zstd(pages, level)
+            rows.append((f"zstd CLI -{level}", ratio, mbs, float("nan")))
+        for label, ratio, cmb, dmb in rows:
+            print(f"{kind:8} {label:22} {ratio:7.3f} {cmb:10.0f} {dmb:12.0f}")
+    pages = pages_of("urandom")
+    mbs, _ = timed(lambda p: hashlib.sha256(p).digest(), pages, args.min_time)
+    print(f"sha256 of 147456-byte pages: {mbs:.0f} MB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The ``pffs`` command line. Errors are one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import __version__
+from .errors import PffsError
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class Progress:
+    """A one-line progress display on stderr when it is a terminal."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.tty = sys.stderr.isatty()
+        self.last = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.tty or not total:
+            return
+        pct = done * 100 // total
+        if pct != self.last:
+            self.last = pct
+            sys.stderr.write(f"\r{self.what}: {done}/{total} ({pct}%)")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _store(args):
+    from .storedir import StoreDir
+    return StoreDir(args.store, getattr(args, "codec", None))
+
+
+def cmd_stats(args) -> int:
+    from . import namespace
+    if args.mountpoint:
+        path = os.path.join(args.mountpoint, ".pffs", "stats.json")
+        try:
+            with open(path) as f:
+                figures = json.load(f)
+        except OSError as e:
+            raise PffsError(f"{args.mountpoint}: not a mounted pffs ({e.strerror})") from None
+    else:
+        st = _store(args)
+        if not st.exists():
+            raise PffsError(f"{st.root}: no pffs store here")
+        conn = namespace.open_db(st.root, create_missing=False)
+        try:
+            figures = namespace.stats(conn).to_json()
+        finally:
+            conn.close()
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        for k, v in figures.items():
+            extra = f"  ({_human(v)})" if k.endswith("_bytes") else ""
+            print(f"{k:18} {v}{extra}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from . import fsck, namespace
+    st = _store(args)
+    if not st.exists():
+        raise PffsError(f"{st.root}: no pffs store here")
+    st.lock("pffs check")
+    try:
+        conn = namespace.open_db(st.root, create_missing=False)
+        try:
+            report = fsck.check(conn, st.blobs, read_data=args.read_data,
+                                progress=Progress("checking blobs"))
+        finally:
+            conn.close()
+    finally:
+        st.unlock()
+    for line in report.notes:
+        print(f"note: {line}")
+    for line in report.damage:
+        print(f"DAMAGE: {line}")
+    c = report.counts
+    print(f"{c.get('sessions', 0)} sessions, {c.get('blobs_on_disk', 0)} blobs"
+          f"{' read and verified' if args.read_data else ''}, {len(report.damage)} damaged")
+    return 0 if report.clean else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pffs", description=__doc__ and
+                                "KV caches as files: mount, inspect, fork and back up LLM KV caches.")
+    p.add_argument("--version", action="version", version=f"pffs {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    s = sub.add_parser("stats", help="store figures: sessions, bytes, dedup and compression ratios")
+    s.add_argument("mountpoint", nargs="?", help="a mounted pffs (else --store)")
+    s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_stats)
+
+    s = sub.add_parser("check", help="check an unmounted store for damage")
+    s.add_argument("--store", help="store directory")
+    s.add_argument("--read-data", action="store_true", help="read, decompress and re-hash every blob")
+    s.set_defaults(func=cmd_check)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except PffsError as e:
+        print(f"pffs {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"pffs {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"pffs {args.cmd}: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The embedded blob store: content-addressed frames in a local directory.
+
+Layout: ``<root>/blobs/<2 hex>/<64 hex>``, one frame (see :mod:`pffs.codec`)
+per blob, named by the sha256 of the raw bytes it holds.  A put writes a
+temp file in the blob's own directory, fsyncs it, renames it into place and
+fsyncs the directory; :class:`PutBatch` defers the fsyncs so that many puts
+share one round of them before a namespace commit.  Two writers putting the
+same digest at once each rename a complete temp file over the name, so one
+good blob remains whoever wins.
+
+Reads verify: the frame header (length, crc32) and the sha256 of the decoded
+bytes against the name.  Anything else raises :class:`IntegrityError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .. import codec as codec_mod
+from ..errors import CodecError, CorruptBlob, MissingBlob, StoreFull
+from ..types import Digest, digest_hex, digest_of, is_digest
+
+BLOB_DIR = "blobs"
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class PutResult:
+    digest: Digest
+    raw_size: int
+    stored_size: int
+    codec: str
+    existed: bool
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalBlobStore:
+    """Blobs under ``root/blobs``; safe to share between threads and processes."""
+
+    def __init__(self, root: str | os.PathLike, codec: str = codec_mod.DEFAULT_CODEC,
+                 max_raw: int = codec_mod.MAX_RAW):
+        self.root = Path(root)
+        self.blob_root = self.root / BLOB_DIR
+        self.codec = codec_mod.parse_codec(codec)
+        self.max_raw = max_raw
+
+    def create_dirs(self) -> None:
+        """Create the 256 fan-out directories once, so puts never mkdir."""
+        self.blob_root.mkdir(parents=True, exist_ok=True)
+        made = False
+        for i in range(256):
+            d = self.blob_root / f"{i:02x}"
+            if not d.is_dir():
+                d.mkdir()
+                made = True
+        if made:
+            _fsync_dir(self.blob_root)
+            _fsync_dir(self.root)
+
+    def path(self, digest: Digest) -> Path:
+        h = digest_hex(digest)
+        return self.blob_root / h[:2] / h
+
+    def contains(self, digest: Digest) -> bool:
+        return self.path(digest).exists()
+
+    def stored_size(self, digest: Digest) -> int:
+        """Bytes the blob takes on disk (MissingBlob if absent)."""
+        try:
+            return self.path(digest).stat().st_size
+        except FileNotFoundError:
+            raise MissingBlob(digest, "not in the store") from None
+
+    # -- writing ---------------------------------------------------------
+
+    def put(self, data, digest: Digest | None = None, *, batch: "PutBatch | None" = None,
+            codec: codec_mod.Codec | None = None) -> PutResult:
+        """Store *data* under its digest (computed if not given).
+
+        Without *batch* the blob is durable when this returns; with one, it
+        is durable once ``batch.sync()`` returns.  An existing blob is kept
+        (and still synced by the batch, since another writer may not have
+        synced it yet).
+        """
+        if digest is None:
+            digest = digest_of(data)
+        path = self.path(digest)
+        raw_size = memoryview(data).nbytes
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            pass
+        else:
+            if batch is not None:
+                batch._add(path)
+            return PutResult(digest, raw_size, st.st_size, "", True)
+        frame = codec_mod.encode(data, codec or self.codec)
+        codec_name = codec_mod.read_header(frame).codec.name
+        tmp = path.parent / f"{_TMP_PREFIX}{path.name[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(frame)
+                while view:
+                    view = view[os.write(fd, view):]
+                if batch is None:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"no space left for blob {digest}") from e
+            raise
+        if batch is None:
+            _fsync_dir(path.parent)
+        else:
+            batch._add(path)
+        return PutResult(digest, raw_size, len(frame), codec_name, False)
+
+    def batch(self) -> "PutBatch":
+        return PutBatch()
+
+    def delete(self, digest: Digest) -> bool:
+        """Remove a blob; True if it was there."""
+        try:
+            os.unlink(self.path(digest))
+            return True
+        except FileNotFoundError:
+            return False
+
+    # -- reading ---------------------------------------------------------
+
+    def get_frame(self, digest: Digest) -> bytes:
+        try:
+            with open(self.path(digest), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise MissingBlob(digest, "not in the store") from None
+
+    def get(self, digest: Digest, *, verify: bool = True) -> bytes:
+        """The raw bytes of *digest*, verified (IntegrityError otherwise)."""
+        frame = self.get_frame(digest)
+        try:
+            raw = codec_mod.decode(frame, self.max_raw)
+        except CodecError as e:
+            raise CorruptBlob(digest, str(e)) from None
+        if verify and digest_of(raw) != digest:
+            raise CorruptBlob(digest, "sha256 of the stored bytes does not match its name")
+        return raw
+
+    def header(self, digest: Digest) -> codec_mod.FrameHeader:
+        try:
+            with open(self.path(digest), "rb") as f:
+                head = f.read(codec_mod.HEADER_SIZE)
+        except FileNotFoundError:
+            raise MissingBlob(digest, "not in the store") from None
+        try:
+            return codec_mod.read_header(head)
+        except CodecError as e:
+            raise CorruptBlob(digest, str(e)) from None
+
+    def __iter__(self) -> Iterator[Digest]:
+        """Every stored digest (temp files skipped), in no particular order."""
+        if not self.blob_root.is_dir():
+            return
+        for sub in sorted(os.scandir(self.blob_root), key=lambda e: e.name):
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for ent in os.scandir(sub.path):
+                d = Digest("sha256:" + ent.name)
+                if is_digest(d) and ent.name.startswith(sub.name):
+                    yield d
+
+    def temp_files(self) -> Iterator[Path]:
+        """Leftover temp files of interrupted puts."""
+        if not self.blob_root.is_dir():
+            return
+        for sub in os.scandir(self.blob_root):
+            if sub.is_dir():
+                for ent in os.scandir(sub.path):
+                    if ent.name.startswith(_TMP_PREFIX):
+                        yield Path(ent.path)
+
+
+class PutBatch:
+    """Puts whose fsyncs are done together by :meth:`sync` (one per file and dir)."""
+
+    def __init__(self):
+        self._files: set[Path] = set()
+
+    def _add(self, path: Path) -> None:
+        self._files.add(path)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def sync(self) -> None:
+        dirs = set()
+        for p in self._files:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                # Deleted by gc between put and sync: the caller's namespace
+                # commit must not name it, so report it as missing.
+                raise MissingBlob(Digest("sha256:" + p.name), "deleted before it was synced")
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(p.parent)
+        for d in dirs:
+            _fsync_dir(d)
+        self._files.clear()

@@ -1,0 +1,113 @@
+"""A store directory: blobs, namespace database, log, lock, sockets.
+
+Layout (``--store DIR``, else ``$PFFS_STORE``, else ``~/.local/share/pffs``)::
+
+    DIR/blobs/<2 hex>/<64 hex>   blob frames (pffs.store.local)
+    DIR/namespace.db             SQLite namespace (pffs.namespace), WAL mode
+    DIR/snapshots/               copies of namespace.db (newest last)
+    DIR/staging/                 spill files of open files being written
+    DIR/pffs.log                 daemon log
+    DIR/lock                     flock held by the daemon (and by check/repair)
+    DIR/engine.sock              live-engine socket while mounted
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from .errors import PffsError
+from .store.local import LocalBlobStore
+
+LOCK_NAME = "lock"
+LOG_NAME = "pffs.log"
+STAGING_DIR = "staging"
+SNAPSHOT_DIR = "snapshots"
+SOCKET_NAME = "engine.sock"
+
+
+class StoreBusy(PffsError):
+    pass
+
+
+def default_store_dir() -> Path:
+    env = os.environ.get("PFFS_STORE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "pffs"
+
+
+class StoreDir:
+    def __init__(self, root: str | os.PathLike | None = None, codec: str | None = None):
+        self.root = Path(root) if root is not None else default_store_dir()
+        self.root = self.root.expanduser().absolute()
+        kwargs = {"codec": codec} if codec else {}
+        self.blobs = LocalBlobStore(self.root, **kwargs)
+        self._lock_fd: int | None = None
+
+    @property
+    def db_path(self) -> Path:
+        return self.root / "namespace.db"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / LOG_NAME
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.root / STAGING_DIR
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.root / SNAPSHOT_DIR
+
+    @property
+    def socket_path(self) -> Path:
+        return self.root / SOCKET_NAME
+
+    def exists(self) -> bool:
+        return self.db_path.exists()
+
+    def create(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.blobs.create_dirs()
+        self.staging_dir.mkdir(exist_ok=True)
+        self.snapshot_dir.mkdir(exist_ok=True)
+
+    def lock(self, what: str) -> None:
+        """Take the store's exclusive lock (StoreBusy if another process has it)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreBusy(f"store {self.root} is in use ({holder or 'another process'})") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{what} pid {os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def in_use(self) -> str | None:
+        """Who holds the lock, or None if nobody does."""
+        try:
+            fd = os.open(self.root / LOCK_NAME, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        finally:
+            os.close(fd)
+        return None

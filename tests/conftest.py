@@ -1,0 +1,39 @@
+"""Shared fixtures: real KV data, store directories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("PFFS_TEST_DATA", REPO.parent / "shared" / "data"))
+KV_FILE = DATA / "kv-minilm" / "kv.safetensors"
+
+
+def kv_pages(dtype: str = "bf16", page_tokens: int = 16) -> list[bytes]:
+    """Real KV pages cut from the shared MiniLM tensors as SPEC §1 lays them out."""
+    import numpy as np
+    from pffs_testdata import load_raw
+    name = {"bf16": "bf16", "f16": "fp16", "fp16": "fp16"}[dtype]
+    k, v = load_raw(KV_FILE, f"k_{name}"), load_raw(KV_FILE, f"v_{name}")
+    pages = []
+    for s in range(0, k.shape[1], page_tokens):
+        pages.append(np.ascontiguousarray(k[:, s:s + page_tokens]).tobytes()
+                     + np.ascontiguousarray(v[:, s:s + page_tokens]).tobytes())
+    return pages
+
+
+@pytest.fixture(scope="session")
+def bf16_pages() -> list[bytes]:
+    if not KV_FILE.exists():
+        pytest.fail(f"test data missing: {KV_FILE}")
+    return kv_pages("bf16")
+
+
+@pytest.fixture(scope="session")
+def fp16_pages() -> list[bytes]:
+    if not KV_FILE.exists():
+        pytest.fail(f"test data missing: {KV_FILE}")
+    return kv_pages("fp16")

@@ -1,0 +1,129 @@
+"""Codec: round trips, fallbacks, and refusal of malformed or hostile frames."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings, strategies as st
+
+from pffs import codec
+from pffs.errors import CodecError
+
+CODECS = ["raw", "zstd-1", "zstd-3", "zstd-19", "zstd--3", "planes-zstd1", "planes-zstd3"]
+NP_DTYPES = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32,
+             "fp8e4m3": np.uint8, "fp8e5m2": np.uint8}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=20000), name=st.sampled_from(CODECS))
+def test_roundtrip_arbitrary_bytes(data, name):
+    frame = codec.encode(data, name)
+    assert codec.decode(frame) == data
+    assert codec.read_header(frame).raw_len == len(data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(sorted(NP_DTYPES)), name=st.sampled_from(CODECS),
+       shape=st.tuples(st.integers(1, 4), st.integers(1, 16), st.integers(1, 8)),
+       seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-3, 1.0, 100.0]))
+def test_roundtrip_tensors(dtype, name, shape, seed, scale):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * scale
+    if dtype == "bf16":
+        arr = (x.view(np.uint32) >> 16).astype(np.uint16)
+    elif dtype in ("fp8e4m3", "fp8e5m2"):
+        arr = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    else:
+        arr = x.astype(NP_DTYPES[dtype])
+    raw = arr.tobytes()
+    assert codec.decode(codec.encode(raw, name)) == raw
+
+
+def test_real_kv_compresses(bf16_pages, fp16_pages):
+    for pages, floor in ((bf16_pages, 1.40), (fp16_pages, 1.10)):
+        raw = sum(map(len, pages))
+        stored = sum(len(codec.encode(p, "planes-zstd1")) for p in pages)
+        assert raw / stored >= floor
+        assert all(codec.decode(codec.encode(p)) == p for p in pages[:8])
+
+
+def test_default_is_planes():
+    assert codec.DEFAULT_CODEC == "planes-zstd1"
+    frame = codec.encode(bytes(4096))
+    assert codec.read_header(frame).codec.name == "planes-zstd1"
+
+
+def test_incompressible_falls_back_to_raw():
+    import os
+    data = os.urandom(100_000)
+    for name in CODECS:
+        frame = codec.encode(data, name)
+        assert codec.read_header(frame).codec.name == "raw"
+        assert len(frame) == len(data) + codec.HEADER_SIZE
+
+
+def test_parse_codec_names():
+    assert codec.parse_codec("zstd-19").name == "zstd-19"
+    assert codec.parse_codec("planes-zstd1").name == "planes-zstd1"
+    for bad in ["zstd", "zstd-0", "zstd-99", "lz4", "planes", ""]:
+        with pytest.raises(ValueError):
+            codec.parse_codec(bad)
+
+
+def _zstd_frame(raw_len_header: int, content: bytes, declare=True) -> bytes:
+    c = zstandard.ZstdCompressor(level=1, write_content_size=declare)
+    payload = c.compress(content)
+    return codec.HEADER.pack(codec.MAGIC, codec.CODEC_ZSTD, 1, 0, raw_len_header,
+                             zlib.crc32(content)) + payload
+
+
+def test_bomb_declared_size_refused():
+    # A frame that declares 1 GiB of output while the header claims 10 bytes.
+    frame = _zstd_frame(10, bytes(1 << 20))
+    with pytest.raises(CodecError, match="declares"):
+        codec.decode(frame)
+
+
+def test_bomb_undeclared_size_refused():
+    frame = _zstd_frame(10, bytes(1 << 20), declare=False)
+    with pytest.raises(CodecError):
+        codec.decode(frame)
+
+
+def test_huge_raw_length_refused():
+    frame = codec.HEADER.pack(codec.MAGIC, codec.CODEC_RAW, 0, 0, 1 << 40, 0)
+    with pytest.raises(CodecError, match="limit"):
+        codec.decode(frame)
+    frame = _zstd_frame(4096, bytes(4096))
+    with pytest.raises(CodecError, match="limit"):
+        codec.decode(frame, max_raw=1000)
+
+
+def test_planes_bomb_refused():
+    raw = bytes(8192)
+    frame = bytearray(codec.encode(raw, "planes-zstd1"))
+    # Rewrite the header to claim fewer bytes than the planes hold.
+    struct.pack_into("<Q", frame, 8, 100)
+    with pytest.raises(CodecError):
+        codec.decode(bytes(frame))
+
+
+@pytest.mark.parametrize("name", ["raw", "zstd-1", "planes-zstd1"])
+def test_flipped_and_truncated_frames_refused(name, bf16_pages):
+    frame = codec.encode(bf16_pages[3], name)
+    for pos in (0, 5, 9, 17, codec.HEADER_SIZE + 10, len(frame) // 2, len(frame) - 1):
+        bad = bytearray(frame)
+        bad[pos] ^= 0x40
+        try:
+            out = codec.decode(bytes(bad))
+        except CodecError:
+            continue
+        # A flip that still decodes must not yield different bytes unnoticed.
+        assert out == bf16_pages[3], f"flip at {pos} returned wrong bytes"
+    for cut in (3, codec.HEADER_SIZE, len(frame) - 1):
+        with pytest.raises(CodecError):
+            codec.decode(frame[:cut])
