@@ -96,11 +96,61 @@ def cmd_check(args) -> int:
     return 0 if report.clean else 1
 
 
+def cmd_mount(args) -> int:
+    from . import daemon
+    opts = daemon.parse_options(args.o)
+    if args.foreground:
+        return daemon.run(args.store, args.mountpoint, opts, foreground=True)
+    daemon.spawn(args.store, args.mountpoint, args.o)
+    return 0
+
+
+def cmd_umount(args) -> int:
+    from . import tools
+    tools.umount(args.mountpoint)
+    return 0
+
+
+def cmd_fork(args) -> int:
+    from . import tools
+    n = tools.fork(args.src, args.dst)
+    print(f"{args.dst}: forked from {args.src}, {n} pages")
+    return 0
+
+
+def cmd_seal(args) -> int:
+    from . import tools
+    n, changed = tools.seal(args.session)
+    print(f"{args.session}: manifest.json lists {n} pages ({changed} changed)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pffs", description=__doc__ and
                                 "KV caches as files: mount, inspect, fork and back up LLM KV caches.")
     p.add_argument("--version", action="version", version=f"pffs {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    s = sub.add_parser("mount", help="mount a store")
+    s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
+    s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    s.add_argument("-o", action="append", default=[], metavar="OPTS",
+                   help="allow_other, cache_size=SIZE, max_size=SIZE, codec=NAME")
+    s.add_argument("mountpoint")
+    s.set_defaults(func=cmd_mount)
+
+    s = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
+    s.add_argument("mountpoint")
+    s.set_defaults(func=cmd_umount)
+
+    s = sub.add_parser("fork", help="fork a session without moving page bytes")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.set_defaults(func=cmd_fork)
+
+    s = sub.add_parser("seal", help="rewrite a session's manifest.json from its page files")
+    s.add_argument("session")
+    s.set_defaults(func=cmd_seal)
 
     s = sub.add_parser("stats", help="store figures: sessions, bytes, dedup and compression ratios")
     s.add_argument("mountpoint", nargs="?", help="a mounted pffs (else --store)")

@@ -16,7 +16,7 @@ from typing import Callable
 
 from . import manifest as mf
 from .errors import IntegrityError
-from .namespace import BLOCK_SIZE, ROOT_INODE, read_file
+from .namespace import BLOCK_SIZE, ROOT_INODE, path_of, read_file
 from .store.local import LocalBlobStore
 from .types import Digest
 
@@ -30,19 +30,6 @@ class Report:
     @property
     def clean(self) -> bool:
         return not self.damage
-
-
-def _path_of(conn: sqlite3.Connection, ino: int) -> str:
-    parts = []
-    seen = set()
-    while ino != ROOT_INODE and ino not in seen:
-        seen.add(ino)
-        row = conn.execute("SELECT parent, name FROM dentries WHERE inode=? LIMIT 1", (ino,)).fetchone()
-        if row is None:
-            return f"<inode {ino}>/" + "/".join(reversed(parts))
-        parts.append(row[1].decode(errors="replace"))
-        ino = row[0]
-    return "/" + "/".join(reversed(parts))
 
 
 def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = False,
@@ -61,7 +48,7 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
     for d in sorted(held - on_disk):
         bad_blobs.add(d)
         for (ino,) in conn.execute("SELECT DISTINCT inode FROM blocks WHERE blob=?", (d,)):
-            r.damage.append(f"{_path_of(conn, ino)}: blob {d} is missing")
+            r.damage.append(f"{path_of(conn, ino)}: blob {d} is missing")
     for d in sorted(held - set(known)):
         r.damage.append(f"blob {d} is held by a file but has no row in blobs")
     for d in sorted(set(known) - on_disk - held):
@@ -87,7 +74,7 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
             if d in held:
                 bad_blobs.add(d)
                 for (ino,) in conn.execute("SELECT DISTINCT inode FROM blocks WHERE blob=?", (d,)):
-                    r.damage.append(f"{_path_of(conn, ino)}: {e}")
+                    r.damage.append(f"{path_of(conn, ino)}: {e}")
             else:
                 r.notes.append(f"unreferenced {e}")
         if progress:
@@ -117,14 +104,14 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
         if names == 0 and ino != ROOT_INODE:
             r.damage.append(f"inode {ino} has no name (orphan)")
         elif nlink != want:
-            r.damage.append(f"{_path_of(conn, ino)}: link count {nlink}, should be {want}")
+            r.damage.append(f"{path_of(conn, ino)}: link count {nlink}, should be {want}")
     for ino, size, nblocks, total, maxno in conn.execute(
             "SELECT i.id, i.size, COUNT(b.blob), COALESCE(SUM(bl.raw_size), 0), MAX(b.blockno)"
             " FROM inodes i LEFT JOIN blocks b ON b.inode = i.id LEFT JOIN blobs bl ON bl.digest = b.blob"
             " WHERE (i.mode & 61440) = 32768 GROUP BY i.id"):
         want = -(-size // BLOCK_SIZE)
         if nblocks != want or (want and (maxno != want - 1 or total != size)):
-            r.damage.append(f"{_path_of(conn, ino)}: {nblocks} blocks of {total} bytes for a size of {size}")
+            r.damage.append(f"{path_of(conn, ino)}: {nblocks} blocks of {total} bytes for a size of {size}")
 
     # Sessions (notes only).
     n_sessions = 0
@@ -140,7 +127,7 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
 def check_session(conn: sqlite3.Connection, dir_ino: int, man_ino: int,
                   blobs: LocalBlobStore, bad_blobs: set[str]) -> list[str]:
     """Notes on one session: invalid manifest, missing or disagreeing pages."""
-    where = _path_of(conn, dir_ino)
+    where = path_of(conn, dir_ino)
     try:
         m = mf.parse(read_file(conn, blobs, man_ino))
     except mf.ManifestError as e:

@@ -104,9 +104,7 @@ CREATE TABLE xattrs (
 
 -- Page digests listed by the manifest.json files: gc roots, so a metadata-only
 -- fork can bring back pages that no file holds any more. Rows belong to the
--- manifest file's inode and are replaced whenever its content changes;
--- manifest_ok marks inodes whose content was a valid manifest when it last
--- took the name manifest.json.
+-- manifest file's inode and are dropped whenever its content changes.
 CREATE TABLE manifest_pages (
     inode   INTEGER NOT NULL REFERENCES inodes(id),
     page_ix INTEGER NOT NULL,
@@ -114,6 +112,14 @@ CREATE TABLE manifest_pages (
     PRIMARY KEY (inode, page_ix)
 ) WITHOUT ROWID;
 CREATE INDEX manifest_pages_digest ON manifest_pages(digest);
+
+-- Inodes whose content was a valid manifest when it last took the name
+-- manifest.json (or was committed under it). A directory holding such a
+-- manifest.json is a session.
+CREATE TABLE manifests (
+    inode   INTEGER PRIMARY KEY REFERENCES inodes(id),
+    n_pages INTEGER NOT NULL
+);
 """
 
 
@@ -266,8 +272,8 @@ class Stats:
 def stats(conn: sqlite3.Connection) -> Stats:
     """SPEC §4 figures. Files count links (a hard-linked file counts once per name)."""
     sessions = conn.execute(
-        "SELECT COUNT(*) FROM dentries d JOIN inodes i ON i.id = d.inode"
-        " WHERE d.name = ? AND (i.mode & 61440) = 32768", (b"manifest.json",)).fetchone()[0]
+        "SELECT COUNT(*) FROM dentries d JOIN manifests m ON m.inode = d.inode"
+        " WHERE d.name = ?", (b"manifest.json",)).fetchone()[0]
     files, logical = conn.execute(
         "SELECT COUNT(*), COALESCE(SUM(i.size), 0) FROM dentries d JOIN inodes i ON i.id = d.inode"
         " WHERE (i.mode & 61440) = 32768").fetchone()
@@ -291,3 +297,360 @@ def read_file(conn: sqlite3.Connection, blobs, ino: int, max_size: int | None = 
     parts = [blobs.get(Digest(d)) for (d,) in
              conn.execute("SELECT blob FROM blocks WHERE inode=? ORDER BY blockno", (ino,))]
     return b"".join(parts)
+
+
+# -- rows and changes ------------------------------------------------------
+# Every function below runs inside the caller's transaction. The mounted
+# filesystem calls them in its single writer thread; offline tools call them
+# directly. Checks and changes happen in the same transaction, so a check
+# can never be overtaken by a concurrent change.
+
+import errno as _errno  # noqa: E402
+
+S_IFMT = 0o170000
+INODE_COLS = "id, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest, target"
+NAME_MAX = 255
+
+
+class FsError(PffsError):
+    """A failed namespace operation with the errno the caller should answer."""
+
+    def __init__(self, err: int, msg: str = ""):
+        super().__init__(msg or os.strerror(err))
+        self.errno = err
+
+
+@dataclass
+class Inode:
+    id: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    nlink: int
+    rdev: int
+    digest: str | None
+    target: bytes | None
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+
+def get_inode(conn: sqlite3.Connection, ino: int) -> Inode:
+    row = conn.execute(f"SELECT {INODE_COLS} FROM inodes WHERE id=?", (ino,)).fetchone()
+    if row is None:
+        raise FsError(_errno.ENOENT, f"no inode {ino}")
+    return Inode(*row)
+
+
+def lookup(conn: sqlite3.Connection, parent: int, name: bytes) -> int | None:
+    row = conn.execute("SELECT inode FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone()
+    return row[0] if row else None
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(_errno.ENAMETOOLONG, f"name of {len(name)} bytes")
+    if not name or b"/" in name or b"\0" in name or name in (b".", b".."):
+        raise FsError(_errno.EINVAL, f"invalid name {name!r}")
+
+
+def _dir(conn: sqlite3.Connection, ino: int) -> Inode:
+    node = get_inode(conn, ino)
+    if not node.is_dir:
+        raise FsError(_errno.ENOTDIR)
+    if node.nlink == 0:
+        raise FsError(_errno.ENOENT, "directory was removed")
+    return node
+
+
+def touch_dir(conn: sqlite3.Connection, ino: int, t: int, nlink_delta: int = 0) -> None:
+    conn.execute("UPDATE inodes SET mtime_ns=?, ctime_ns=?, nlink=nlink+? WHERE id=?",
+                 (t, t, nlink_delta, ino))
+
+
+def make_inode(conn: sqlite3.Connection, parent: int, name: bytes, mode: int, uid: int, gid: int,
+               rdev: int = 0, target: bytes | None = None, t: int | None = None) -> Inode:
+    """Create a new inode named *name* in *parent* (EEXIST if taken)."""
+    check_name(name)
+    pnode = _dir(conn, parent)
+    if lookup(conn, parent, name) is not None:
+        raise FsError(_errno.EEXIST)
+    t = now_ns() if t is None else t
+    is_dir = stat.S_ISDIR(mode)
+    if pnode.mode & stat.S_ISGID:
+        # BSD group semantics for setgid directories, as ext4 does.
+        gid = pnode.gid
+        if is_dir:
+            mode |= stat.S_ISGID
+    size = len(target) if target is not None else 0
+    digest = EMPTY_DIGEST if stat.S_ISREG(mode) else None
+    cur = conn.execute(
+        "INSERT INTO inodes (mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest, target)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        (mode, uid, gid, size, t, t, t, 2 if is_dir else 1, rdev, digest, target))
+    ino = cur.lastrowid
+    conn.execute("INSERT INTO dentries (parent, name, inode) VALUES (?,?,?)", (parent, name, ino))
+    touch_dir(conn, parent, t, 1 if is_dir else 0)
+    return get_inode(conn, ino)
+
+
+def delete_inode(conn: sqlite3.Connection, ino: int) -> None:
+    """Drop an inode and everything it holds (its blobs stay until gc)."""
+    conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
+    conn.execute("DELETE FROM xattrs WHERE inode=?", (ino,))
+    conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
+    conn.execute("DELETE FROM manifests WHERE inode=?", (ino,))
+    conn.execute("DELETE FROM inodes WHERE id=?", (ino,))
+
+
+def drop_link(conn: sqlite3.Connection, ino: int, t: int, in_use: bool) -> bool:
+    """One name of *ino* is gone; True if the inode itself was deleted."""
+    node = get_inode(conn, ino)
+    nlink = 0 if node.is_dir else node.nlink - 1
+    if nlink == 0 and not in_use:
+        delete_inode(conn, ino)
+        return True
+    conn.execute("UPDATE inodes SET nlink=?, ctime_ns=? WHERE id=?", (nlink, t, ino))
+    return False
+
+
+def unlink(conn: sqlite3.Connection, parent: int, name: bytes, in_use) -> tuple[int, bool]:
+    """Remove a non-directory entry. *in_use(ino)* says whether the kernel still holds it."""
+    _dir(conn, parent)
+    ino = lookup(conn, parent, name)
+    if ino is None:
+        raise FsError(_errno.ENOENT)
+    if get_inode(conn, ino).is_dir:
+        raise FsError(_errno.EISDIR)
+    t = now_ns()
+    conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+    touch_dir(conn, parent, t)
+    return ino, drop_link(conn, ino, t, in_use(ino))
+
+
+def rmdir(conn: sqlite3.Connection, parent: int, name: bytes, in_use) -> tuple[int, bool]:
+    _dir(conn, parent)
+    ino = lookup(conn, parent, name)
+    if ino is None:
+        raise FsError(_errno.ENOENT)
+    if not get_inode(conn, ino).is_dir:
+        raise FsError(_errno.ENOTDIR)
+    if conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (ino,)).fetchone():
+        raise FsError(_errno.ENOTEMPTY)
+    t = now_ns()
+    conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+    touch_dir(conn, parent, t, -1)
+    return ino, drop_link(conn, ino, t, in_use(ino))
+
+
+def _is_ancestor(conn: sqlite3.Connection, anc: int, ino: int) -> bool:
+    seen = 0
+    while ino != ROOT_INODE and seen < 100000:
+        if ino == anc:
+            return True
+        row = conn.execute("SELECT parent FROM dentries WHERE inode=? LIMIT 1", (ino,)).fetchone()
+        if row is None:
+            return False
+        ino = row[0]
+        seen += 1
+    return ino == anc
+
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def rename(conn: sqlite3.Connection, old_parent: int, old_name: bytes, new_parent: int,
+           new_name: bytes, flags: int, in_use) -> tuple[int, int | None, bool]:
+    """Move an entry, replacing a compatible target. Returns (ino, replaced ino, replaced deleted)."""
+    check_name(new_name)
+    _dir(conn, old_parent)
+    _dir(conn, new_parent)
+    ino = lookup(conn, old_parent, old_name)
+    if ino is None:
+        raise FsError(_errno.ENOENT)
+    node = get_inode(conn, ino)
+    target = lookup(conn, new_parent, new_name)
+    if flags & RENAME_EXCHANGE:
+        raise FsError(_errno.EINVAL, "RENAME_EXCHANGE is not supported")
+    if target == ino:
+        return ino, None, False
+    if node.is_dir and new_parent != old_parent and _is_ancestor(conn, ino, new_parent):
+        raise FsError(_errno.EINVAL, "cannot move a directory into itself")
+    t = now_ns()
+    replaced_deleted = False
+    if target is not None:
+        if flags & RENAME_NOREPLACE:
+            raise FsError(_errno.EEXIST)
+        tnode = get_inode(conn, target)
+        if tnode.is_dir:
+            if not node.is_dir:
+                raise FsError(_errno.EISDIR)
+            if conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (target,)).fetchone():
+                raise FsError(_errno.ENOTEMPTY)
+            touch_dir(conn, new_parent, t, -1)
+        elif node.is_dir:
+            raise FsError(_errno.ENOTDIR)
+        conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (new_parent, new_name))
+        replaced_deleted = drop_link(conn, target, t, in_use(target))
+    conn.execute("UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?",
+                 (new_parent, new_name, old_parent, old_name))
+    if node.is_dir and new_parent != old_parent:
+        touch_dir(conn, old_parent, t, -1)
+        touch_dir(conn, new_parent, t, 1)
+    else:
+        touch_dir(conn, old_parent, t)
+        touch_dir(conn, new_parent, t)
+    conn.execute("UPDATE inodes SET ctime_ns=? WHERE id=?", (t, ino))
+    return ino, target, replaced_deleted
+
+
+def link(conn: sqlite3.Connection, ino: int, new_parent: int, new_name: bytes) -> Inode:
+    check_name(new_name)
+    _dir(conn, new_parent)
+    node = get_inode(conn, ino)
+    if node.is_dir:
+        raise FsError(_errno.EPERM, "hard links to directories are not allowed")
+    if node.nlink == 0:
+        raise FsError(_errno.ENOENT, "file was removed")
+    if lookup(conn, new_parent, new_name) is not None:
+        raise FsError(_errno.EEXIST)
+    t = now_ns()
+    conn.execute("INSERT INTO dentries (parent, name, inode) VALUES (?,?,?)", (new_parent, new_name, ino))
+    conn.execute("UPDATE inodes SET nlink=nlink+1, ctime_ns=? WHERE id=?", (t, ino))
+    touch_dir(conn, new_parent, t)
+    return get_inode(conn, ino)
+
+
+_SETTABLE = ("mode", "uid", "gid", "atime_ns", "mtime_ns", "ctime_ns")
+
+
+def set_attrs(conn: sqlite3.Connection, ino: int, **fields) -> Inode:
+    """Update plain attributes (not size: content changes go through set_content)."""
+    cols = [k for k in fields if k in _SETTABLE]
+    if cols:
+        conn.execute(f"UPDATE inodes SET {', '.join(c + '=?' for c in cols)} WHERE id=?",
+                     [fields[c] for c in cols] + [ino])
+    return get_inode(conn, ino)
+
+
+@dataclass
+class BlobRow:
+    digest: str
+    raw_size: int
+    stored_size: int
+    codec: str
+
+
+def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
+                blocks: list[str], new_blobs: list[BlobRow], mtime_ns: int | None,
+                ctime_ns: int | None = None) -> None:
+    """Point a file at new content: its blocks' blobs (already stored and synced)."""
+    t = now_ns()
+    for b in new_blobs:
+        conn.execute("INSERT OR IGNORE INTO blobs (digest, raw_size, stored_size, codec, created_ns)"
+                     " VALUES (?,?,?,?,?)", (b.digest, b.raw_size, b.stored_size, b.codec, t))
+    conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
+    conn.executemany("INSERT INTO blocks (inode, blockno, blob) VALUES (?,?,?)",
+                     [(ino, i, d) for i, d in enumerate(blocks)])
+    conn.execute("UPDATE inodes SET size=?, digest=?, mtime_ns=COALESCE(?, mtime_ns), ctime_ns=? WHERE id=?",
+                 (size, digest, mtime_ns, ctime_ns or t, ino))
+    # The content changed: whatever it listed as a manifest no longer holds.
+    conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
+    conn.execute("DELETE FROM manifests WHERE inode=?", (ino,))
+
+
+def blocks_of(conn: sqlite3.Connection, ino: int) -> list[str]:
+    return [d for (d,) in conn.execute("SELECT blob FROM blocks WHERE inode=? ORDER BY blockno", (ino,))]
+
+
+def known_blobs(conn: sqlite3.Connection, digests: Iterable[str]) -> dict[str, int]:
+    """raw_size of each of *digests* that the store holds."""
+    out = {}
+    for d in set(digests):
+        row = conn.execute("SELECT raw_size FROM blobs WHERE digest=?", (d,)).fetchone()
+        if row:
+            out[d] = row[0]
+    return out
+
+
+def record_manifest(conn: sqlite3.Connection, ino: int, pages: list[str]) -> None:
+    """Remember that *ino* holds a valid manifest listing *pages* (gc roots)."""
+    conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
+    conn.execute("INSERT OR REPLACE INTO manifests (inode, n_pages) VALUES (?,?)", (ino, len(pages)))
+    conn.executemany("INSERT INTO manifest_pages (inode, page_ix, digest) VALUES (?,?,?)",
+                     [(ino, i, d) for i, d in enumerate(pages)])
+
+
+def names_of(conn: sqlite3.Connection, ino: int) -> list[tuple[int, bytes]]:
+    return list(conn.execute("SELECT parent, name FROM dentries WHERE inode=?", (ino,)))
+
+
+def fork_pages(conn: sqlite3.Connection, session_dir: int, pages: list[str], uid: int, gid: int,
+               mode: int = 0o644) -> list[tuple[int, bytes, int]]:
+    """Metadata-only fork: create every listed page missing from ``pages/``.
+
+    Only when ``pages/`` exists (pffs never creates it) and only for pages
+    whose blob is stored. Returns (pages dir inode, name, new inode) triples.
+    """
+    from .manifest import PAGES_DIR, page_name
+    pdir = lookup(conn, session_dir, PAGES_DIR.encode())
+    if pdir is None or not get_inode(conn, pdir).is_dir:
+        return []
+    have = known_blobs(conn, pages)
+    t = now_ns()
+    created = []
+    for ix, d in enumerate(pages):
+        if d not in have:
+            continue
+        name = page_name(ix).encode()
+        if lookup(conn, pdir, name) is not None:
+            continue
+        size = have[d]
+        n = BLOCK_SIZE
+        if size > n:
+            continue  # multi-block blobs cannot be a page file; never listed by pffs
+        cur = conn.execute(
+            "INSERT INTO inodes (mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest)"
+            " VALUES (?,?,?,?,?,?,?,1,0,?)", (stat.S_IFREG | mode, uid, gid, size, t, t, t, d))
+        ino = cur.lastrowid
+        if size:
+            conn.execute("INSERT INTO blocks (inode, blockno, blob) VALUES (?,0,?)", (ino, d))
+        conn.execute("INSERT INTO dentries (parent, name, inode) VALUES (?,?,?)", (pdir, name, ino))
+        created.append((pdir, name, ino))
+    if created:
+        touch_dir(conn, pdir, t)
+    return created
+
+
+def cleanup_orphans(conn: sqlite3.Connection) -> int:
+    """Delete inodes left unlinked-but-open by a previous run (nothing holds them now)."""
+    rows = [r[0] for r in conn.execute("SELECT id FROM inodes WHERE nlink=0 AND id != ?", (ROOT_INODE,))]
+    for ino in rows:
+        delete_inode(conn, ino)
+    return len(rows)
+
+
+def path_of(conn: sqlite3.Connection, ino: int) -> str:
+    """A path of *ino* inside the mount, for log lines ('/a/b'; '<inode N>' if unnamed)."""
+    parts = []
+    seen = set()
+    while ino != ROOT_INODE:
+        if ino in seen or len(parts) > 4096:
+            break
+        seen.add(ino)
+        row = conn.execute("SELECT parent, name FROM dentries WHERE inode=? LIMIT 1", (ino,)).fetchone()
+        if row is None:
+            return f"<inode {ino}>" + ("/" + "/".join(reversed(parts)) if parts else "")
+        parts.append(row[1].decode(errors="replace"))
+        ino = row[0]
+    return "/" + "/".join(reversed(parts))

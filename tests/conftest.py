@@ -37,3 +37,43 @@ def fp16_pages() -> list[bytes]:
     if not KV_FILE.exists():
         pytest.fail(f"test data missing: {KV_FILE}")
     return kv_pages("fp16")
+
+
+@pytest.fixture
+def mount_factory(tmp_path):
+    """Start real mounts; each is unmounted, its exit status, log and store checked."""
+    from mountutil import Mount
+    mounts: list[Mount] = []
+
+    def make(name: str = "m", store=None, opts=(), start=True, root=None) -> Mount:
+        root = root or tmp_path / name
+        root.mkdir(exist_ok=True)
+        m = Mount(root, store, opts)
+        mounts.append(m)
+        return m.start() if start else m
+
+    yield make
+    failures = []
+    for m in mounts:
+        try:
+            if m.proc is not None:
+                rc = m.stop()
+                if rc != 0:
+                    failures.append(f"daemon for {m.path} exited {rc}")
+        finally:
+            m.cleanup()
+        problems = m.log_problems()
+        if problems:
+            failures.append(f"daemon log of {m.path} has unexpected lines:\n" + "\n".join(problems[:20]))
+    for m in {str(x.store): x for x in mounts}.values():
+        if (m.store / "namespace.db").exists() and not getattr(m, "skip_check", False):
+            r = m.check_store()
+            if r.returncode != 0:
+                failures.append(f"pffs check of {m.store} failed:\n{r.stdout}\n{r.stderr}")
+    if failures:
+        pytest.fail("\n".join(failures))
+
+
+@pytest.fixture
+def mnt(mount_factory):
+    return mount_factory()

@@ -1,0 +1,196 @@
+"""Where an engine's paged KV pool is described, gathered and scattered.
+
+An engine keeps one tensor per layer in its own layout (vLLM FlashAttention
+``[2, num_blocks, block_size, n_kv_heads, head_dim]``, FlashInfer
+``[num_blocks, 2, block_size, n_kv_heads, head_dim]``, ...).  A
+:class:`KVPool` wraps those tensors without copying them and moves whole
+blocks between them and SPEC §1 page bytes: K then V, each C-ordered
+``[n_layers, page_size_tokens, n_heads, head_dim]``.  One engine block is one
+page.  All moves work on byte views of the tensors, so every dtype (fp8
+included) takes the same path and the bytes are exactly the engine's.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, NewType, Protocol, Sequence
+
+import torch
+
+from pffs.manifest import DTYPE_SIZES
+
+BlockId = NewType("BlockId", int)
+
+if sys.byteorder != "little":  # pragma: no cover - every torch platform today
+    raise ImportError("engine_bridge writes page bytes from memory and needs a little-endian host")
+
+#: SPEC dtype names of the torch dtypes a pool may hold.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+    torch.float8_e4m3fn: "fp8e4m3",
+    torch.float8_e5m2: "fp8e5m2",
+}
+TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+#: KV conventions assumed for a session whose manifest gives none.
+DEFAULT_KV: dict[str, Any] = {"k_has_rope": True, "scales": None}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A per-layer tensor layout: its name and the permutation to canonical form.
+
+    Canonical form is ``[2, num_blocks, block_size, n_heads, head_dim]`` (K/V,
+    block, token slot, head, dim); ``to_canonical`` permutes a layer tensor's
+    dimensions into that order.
+    """
+
+    name: str
+    to_canonical: tuple[int, int, int, int, int]
+
+    def shape(self, num_blocks: int, block_size: int, n_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The layer tensor shape of this layout for the given geometry."""
+        canon = (2, num_blocks, block_size, n_heads, head_dim)
+        out = [0] * 5
+        for canon_dim, tensor_dim in enumerate(self.to_canonical):
+            out[tensor_dim] = canon[canon_dim]
+        return tuple(out)
+
+
+FLASH_ATTN = KVLayout("flash_attn NHD", (0, 1, 2, 3, 4))
+FLASHINFER = KVLayout("flashinfer NHD", (1, 0, 2, 3, 4))
+FLASHINFER_HND = KVLayout("flashinfer HND", (1, 0, 3, 2, 4))
+LAYOUTS: dict[str, KVLayout] = {l.name: l for l in (FLASH_ATTN, FLASHINFER, FLASHINFER_HND)}
+
+
+def layout_of(layout: str | KVLayout) -> KVLayout:
+    if isinstance(layout, KVLayout):
+        return layout
+    try:
+        return LAYOUTS[layout]
+    except KeyError:
+        raise ValueError(f"unknown KV layout {layout!r} (known: {', '.join(LAYOUTS)})") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The SPEC dtype name of a torch dtype (ValueError for one pages cannot hold)."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"KV dtype {dtype} has no page dtype (use one of "
+                         f"{', '.join(str(d) for d in DTYPE_NAMES)})") from None
+
+
+class BlockAllocator(Protocol):
+    """What the bridge needs from an engine's block allocator.
+
+    ``allocate`` is all-or-nothing: it returns *n* distinct free blocks or
+    raises :class:`~engine_bridge.errors.NoFreeBlocks` taking none.
+    ``free(allocate(n))`` right after must leave the allocator as it was:
+    the bridge relies on that to roll back a refused page-in exactly.
+    """
+
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int) -> list[BlockId]: ...
+
+    def free(self, blocks: Sequence[BlockId]) -> None: ...
+
+
+class KVPool:
+    """An engine's per-layer KV tensors plus the layout that gives them meaning.
+
+    The tensors are used in place (never copied); they may live on any torch
+    device.  ``kv`` holds the conventions recorded in the manifest's ``kv``
+    field (whether stored K has RoPE applied, quantisation scales).
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], layout: str | KVLayout = FLASH_ATTN,
+                 kv: dict[str, Any] | None = None):
+        if not layers:
+            raise ValueError("a KV pool needs at least one layer")
+        self.layout = layout_of(layout)
+        self.layers = list(layers)
+        first = self.layers[0]
+        if first.dim() != 5:
+            raise ValueError(f"layer tensors must have 5 dimensions for {self.layout.name}, "
+                             f"not shape {tuple(first.shape)}")
+        for i, t in enumerate(self.layers):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(f"layer {i} differs from layer 0 in shape, dtype or device")
+            if t.stride(-1) != 1:
+                raise ValueError(f"layer {i}: head_dim must be the innermost, contiguous dimension")
+        canon = [first.shape[d] for d in self.layout.to_canonical]
+        if canon[0] != 2:
+            raise ValueError(f"shape {tuple(first.shape)} is not {self.layout.name}: the K/V dimension is not 2")
+        _, self.num_blocks, self.block_size, self.n_heads, self.head_dim = canon
+        self.dtype = first.dtype
+        self.dtype_name = dtype_name(first.dtype)
+        self.itemsize = DTYPE_SIZES[self.dtype_name]
+        self.device = first.device
+        self.n_layers = len(self.layers)
+        self.kv = dict(DEFAULT_KV if kv is None else kv)
+        # Byte views in canonical order: [2, num_blocks, block_size, n_heads, head_dim * itemsize].
+        self._canon = [t.view(torch.uint8).permute(self.layout.to_canonical) for t in self.layers]
+
+    @classmethod
+    def allocate(cls, *, num_blocks: int, block_size: int, n_layers: int, n_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", layout: str | KVLayout = FLASH_ATTN,
+                 kv: dict[str, Any] | None = None) -> "KVPool":
+        """A zero-filled pool of the given geometry (what an engine allocates at start)."""
+        lay = layout_of(layout)
+        shape = lay.shape(num_blocks, block_size, n_heads, head_dim)
+        layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        return cls(layers, lay, kv)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (= one block across all layers, K and V)."""
+        return 2 * self.n_layers * self.block_size * self.n_heads * self.head_dim * self.itemsize
+
+    @property
+    def geometry(self) -> dict[str, Any]:
+        """The manifest geometry fields this pool's pages have."""
+        return {"page_size_tokens": self.block_size, "n_layers": self.n_layers,
+                "n_heads": self.n_heads, "head_dim": self.head_dim, "dtype": self.dtype_name}
+
+    def engine_info(self, name: str) -> dict[str, Any]:
+        """The manifest's ``engine`` field for an engine called *name*."""
+        return {"name": name, "kv_layout": self.layout.name, "block_size": self.block_size}
+
+    def block_index(self, blocks: Sequence[int]) -> torch.Tensor:
+        """Block ids as an index tensor on the pool's device."""
+        return torch.tensor(list(blocks), dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _page_view(self, buf: torch.Tensor) -> torch.Tensor:
+        n = buf.shape[0]
+        return buf.view(n, 2, self.n_layers, self.block_size, self.n_heads,
+                        self.head_dim * self.itemsize)
+
+    def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks ``index`` into ``out`` ([n, page_bytes] uint8) as page bytes.
+
+        One index_select per layer for the whole batch of pages; ``out`` must be
+        on the pool's device.
+        """
+        o = self._page_view(out)
+        for layer, c in enumerate(self._canon):
+            o.select(2, layer).transpose(0, 1).copy_(c.index_select(1, index))
+
+    def zero_tail(self, out: torch.Tensor, row: int, fill: int) -> None:
+        """Zero token slots ``fill..block_size-1`` of page ``row`` in ``out``."""
+        self._page_view(out)[row, :, :, fill:].zero_()
+
+    def scatter(self, index: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy page bytes ``src`` ([n, page_bytes] uint8) into blocks ``index``."""
+        s = self._page_view(src)
+        for layer, c in enumerate(self._canon):
+            c.index_copy_(1, index, s.select(2, layer).transpose(0, 1))
+
+    def clone_layers(self) -> list[torch.Tensor]:
+        """A copy of every layer tensor (for tests and rollback checks)."""
+        return [t.clone() for t in self.layers]

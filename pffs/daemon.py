@@ -1,0 +1,290 @@
+"""Mount lifecycle: checks, store lock, pyfuse3 session, signals, clean unmount.
+
+``pffs mount`` without ``-f`` starts this module as a detached process and
+waits on a pipe until the mount is ready (or an error line arrives), so the
+command returns 0 only once the filesystem answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import faulthandler
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from . import namespace
+from .errors import PffsError
+from .storedir import StoreDir
+
+log = logging.getLogger("pffs.daemon")
+
+CHECKPOINT_INTERVAL = 30.0
+
+
+@dataclass
+class MountOptions:
+    allow_other: bool = False
+    cache_size: int = 128 << 20
+    max_size: int | None = None
+    codec: str | None = None
+    staging_memory: int = 128 << 20
+    snapshot_interval: float = 300.0
+    snapshots_kept: int = 3
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '4096' → bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise PffsError(f"bad size {text!r} (use e.g. 512M, 2G)")
+    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)])
+
+
+def parse_options(opts: list[str]) -> MountOptions:
+    o = MountOptions()
+    for group in opts:
+        for item in group.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, _, val = item.partition("=")
+            if key == "allow_other":
+                o.allow_other = True
+            elif key == "cache_size":
+                o.cache_size = parse_size(val)
+            elif key == "max_size":
+                o.max_size = parse_size(val)
+            elif key == "codec":
+                from .codec import parse_codec
+                try:
+                    parse_codec(val)
+                except ValueError as e:
+                    raise PffsError(str(e)) from None
+                o.codec = val
+            elif key == "staging_memory":
+                o.staging_memory = parse_size(val)
+            elif key == "snapshot_interval":
+                o.snapshot_interval = float(val)
+            else:
+                raise PffsError(f"unknown mount option {key!r}")
+    return o
+
+
+def check_mountpoint(mp: Path) -> None:
+    """Refuse a missing or busy mount point; clean up one left dead by a killed daemon."""
+    try:
+        os.stat(mp)
+    except FileNotFoundError:
+        raise PffsError(f"{mp}: mount point does not exist") from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            log.info("%s: cleaning up a mount left by a dead daemon", mp)
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+            os.stat(mp)
+        else:
+            raise PffsError(f"{mp}: {e.strerror}") from None
+    if not mp.is_dir():
+        raise PffsError(f"{mp}: mount point is not a directory")
+    if os.path.ismount(mp):
+        raise PffsError(f"{mp}: already a mount point")
+    if any(os.scandir(mp)):
+        raise PffsError(f"{mp}: mount point is not empty")
+
+
+def setup_logging(log_path: Path, foreground: bool) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    fmt = logging.Formatter("%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
+                            "%Y-%m-%d %H:%M:%S")
+    fh = logging.FileHandler(log_path)
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if foreground:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+    logging.getLogger("pyfuse3").setLevel(logging.INFO)
+
+
+class Daemon:
+    def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions):
+        self.store = store
+        self.mountpoint = mountpoint
+        self.opts = opts
+        self.ops = None
+        self.db = None
+
+    def prepare(self) -> None:
+        from .fs.content import ContentStore
+        from .fs.db import Database
+        from .fs.operations import Operations
+        from .fs.virtual import VirtualTree
+
+        st = self.store
+        st.create()
+        st.lock(f"pffs mount {self.mountpoint}")
+        conn = namespace.open_db(st.root)
+        try:
+            with namespace.transaction(conn):
+                n = namespace.cleanup_orphans(conn)
+            if n:
+                log.info("removed %d unlinked inodes left open by the previous run", n)
+            stored = conn.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
+        finally:
+            conn.close()
+        for p in st.staging_dir.iterdir():
+            p.unlink()
+        for p in st.blobs.temp_files():
+            p.unlink()
+        self.db = Database(st.db_path)
+        content = ContentStore(st.blobs, st.staging_dir, max_size=self.opts.max_size)
+        content.stored_bytes = stored
+        self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
+                              staging_memory=self.opts.staging_memory)
+        self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
+        fuse_opts = set(pyfuse3.default_options)
+        fuse_opts |= {f"fsname=pffs:{st.root}", "subtype=pffs", "default_permissions"}
+        if self.opts.allow_other:
+            fuse_opts.add("allow_other")
+        pyfuse3.init(self.ops, str(self.mountpoint), fuse_opts)
+        log.info("mounted %s on %s (pid %d)", st.root, self.mountpoint, os.getpid())
+
+    async def main(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self.ops.nursery = nursery
+            nursery.start_soon(self.ops.notifier)
+            nursery.start_soon(self._signals, nursery)
+            nursery.start_soon(self._periodic)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+        with trio.CancelScope(shield=True):
+            await self.ops.commit_all()
+
+    async def _signals(self, nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                log.info("signal %d: unmounting", sig)
+                pyfuse3.terminate()
+                return
+
+    async def _periodic(self) -> None:
+        last_snapshot = time.monotonic()
+        while True:
+            await trio.sleep(CHECKPOINT_INTERVAL)
+            await self.db.checkpoint()
+            if time.monotonic() - last_snapshot >= self.opts.snapshot_interval:
+                last_snapshot = time.monotonic()
+                await trio.to_thread.run_sync(self.snapshot, limiter=self.db.limiter)
+
+    def snapshot(self) -> None:
+        """Copy the namespace database into snapshots/ (a few kept)."""
+        from .snapshots import take_snapshot
+        try:
+            take_snapshot(self.db.rw, self.store.snapshot_dir, self.opts.snapshots_kept)
+        except Exception:
+            log.exception("namespace snapshot failed")
+
+    def close(self, unmount: bool) -> None:
+        try:
+            pyfuse3.close(unmount=unmount)
+        except Exception:
+            log.exception("closing the FUSE session")
+        if self.db is not None:
+            self.snapshot()
+            self.db.close()
+        self.store.unlock()
+        log.info("unmounted %s", self.mountpoint)
+
+
+def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foreground: bool,
+        ready_fd: int | None = None) -> int:
+    st = StoreDir(store_dir, opts.codec)
+    mp = Path(mountpoint).absolute()
+
+    def ready(msg: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, (msg + "\n").encode())
+            os.close(ready_fd)
+
+    try:
+        st.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ready(f"error {st.root}: {e.strerror}")
+        raise PffsError(f"{st.root}: {e.strerror}") from None
+    setup_logging(st.log_path, foreground)
+    faulthandler.enable(open(st.log_path, "a"))
+    d = Daemon(st, mp, opts)
+    try:
+        check_mountpoint(mp)
+        d.prepare()
+    except (PffsError, OSError, RuntimeError) as e:
+        log.error("mount %s failed: %s", mp, e)
+        ready(f"error {e}")
+        st.unlock()
+        raise PffsError(str(e)) from None
+    ready("ok")
+    unmount = True
+    try:
+        trio.run(d.main)
+    except BaseException:
+        log.exception("daemon main loop failed")
+        raise
+    finally:
+        d.close(unmount)
+    return 0
+
+
+def spawn(store_dir: str | None, mountpoint: str, raw_opts: list[str]) -> None:
+    """Start a detached daemon and wait until its mount is ready (or it gives up)."""
+    st = StoreDir(store_dir)
+    try:
+        st.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PffsError(f"{st.root}: {e.strerror}") from None
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "pffs.daemon", "--store", str(st.root), "--ready-fd", str(w)]
+    for o in raw_opts:
+        cmd += ["-o", o]
+    cmd.append(mountpoint)
+    with open(st.log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, pass_fds=(w,), start_new_session=True, stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=logf)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.readline().decode(errors="replace").strip()
+    if text == "ok":
+        return
+    if text.startswith("error "):
+        raise PffsError(text[6:])
+    rc = proc.wait(30)
+    raise PffsError(f"daemon exited with status {rc} before mounting (see {st.log_path})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pffs-daemon")
+    ap.add_argument("--store")
+    ap.add_argument("-o", action="append", default=[])
+    ap.add_argument("--ready-fd", type=int)
+    ap.add_argument("mountpoint")
+    args = ap.parse_args(argv)
+    try:
+        opts = parse_options(args.o)
+        return run(args.store, args.mountpoint, opts, foreground=False, ready_fd=args.ready_fd)
+    except PffsError as e:
+        print(f"pffs mount: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Where file bytes become blobs: hashing, compressing and storing staged content.
+
+All of it runs in worker threads bounded by ``limiter`` (hashlib, zstd and
+numpy release the GIL), never on the event loop.  Blobs are written and
+fsynced (one grouped round per commit) before the caller's namespace commit
+names them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .. import manifest as mf
+from ..errors import StoreFull
+from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
+from ..store.local import LocalBlobStore
+from ..types import Digest, digest_of
+from .staging import Staging
+
+
+@dataclass
+class StoredContent:
+    size: int
+    digest: str
+    blocks: list[str]
+    blob_rows: list[BlobRow]
+    manifest: mf.Manifest | None = None
+    manifest_error: mf.ManifestError | None = None
+
+
+class ContentStore:
+    def __init__(self, blobs: LocalBlobStore, staging_dir: str | os.PathLike, *,
+                 threads: int | None = None, max_size: int | None = None):
+        self.blobs = blobs
+        self.staging_dir = Path(staging_dir)
+        self.limiter = trio.CapacityLimiter(threads or max(2, os.cpu_count() or 2))
+        self.max_size = max_size
+        self.stored_bytes = 0  # kept current by the daemon for max_size checks
+
+    async def store(self, stg: Staging, *, parse_manifest: bool) -> StoredContent:
+        return await trio.to_thread.run_sync(self._store_sync, stg, parse_manifest,
+                                             limiter=self.limiter)
+
+    def _store_sync(self, stg: Staging, parse_manifest: bool) -> StoredContent:
+        size = stg.size
+        manifest = None
+        if parse_manifest:
+            try:
+                if size > mf.MAX_MANIFEST_BYTES:
+                    raise mf.ManifestError("manifest", f"{size} bytes exceed the "
+                                           f"{mf.MAX_MANIFEST_BYTES}-byte cap")
+                manifest = mf.parse(stg.read(0, size))
+            except mf.ManifestError as e:
+                return StoredContent(size, "", [], [], manifest_error=e)
+        nblocks = -(-size // BLOCK_SIZE)
+        whole = hashlib.sha256() if nblocks > 1 else None
+        batch = self.blobs.batch()
+        blocks: list[str] = []
+        rows: list[BlobRow] = []
+        for bn in range(nblocks):
+            data = stg.view(bn)
+            d = digest_of(data)
+            if whole is not None:
+                whole.update(data)
+            if self.max_size is not None and not self.blobs.contains(d) \
+                    and self.stored_bytes + len(data) > self.max_size:
+                raise StoreFull(f"store limit of {self.max_size} bytes reached")
+            r = self.blobs.put(data, d, batch=batch)
+            if not r.existed:
+                self.stored_bytes += r.stored_size
+            blocks.append(d)
+            rows.append(BlobRow(d, len(data), r.stored_size, r.codec))
+        batch.sync()
+        if nblocks == 0:
+            digest = EMPTY_DIGEST
+        elif whole is None:
+            digest = blocks[0]
+        else:
+            digest = Digest("sha256:" + whole.hexdigest())
+        return StoredContent(size, digest, blocks, rows, manifest=manifest)
+
+    def statfs(self, conn) -> pyfuse3.StatvfsData:
+        s = os.statvfs(self.blobs.root)
+        frsize = 4096
+        total = s.f_blocks * s.f_frsize
+        free = s.f_bavail * s.f_frsize
+        if self.max_size is not None:
+            total = min(total, self.max_size)
+            free = max(0, min(free, self.max_size - self.stored_bytes))
+        n_inodes = conn.execute("SELECT COUNT(*) FROM inodes").fetchone()[0]
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = 1 << 20
+        out.f_frsize = frsize
+        out.f_blocks = total // frsize
+        out.f_bfree = free // frsize
+        out.f_bavail = free // frsize
+        out.f_files = n_inodes + s.f_favail
+        out.f_ffree = s.f_favail
+        out.f_favail = s.f_favail
+        out.f_namemax = 255
+        return out

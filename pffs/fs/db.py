@@ -1,0 +1,71 @@
+"""Database access for the daemon: reads on the trio thread, writes in one worker.
+
+Reads (lookups, getattr, readdir) are short indexed queries on ``ro`` and run
+on the event loop.  Every change is a function of ``pffs.namespace`` run in
+one transaction on ``rw`` in a worker thread; the CapacityLimiter of 1 makes
+that thread the single point where changes are ordered, so a function's
+checks and changes are atomic with respect to every other change.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from typing import Any, Callable
+
+import trio
+
+from .. import namespace
+
+
+class Database:
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self.ro = namespace.connect(self.path)
+        self.rw = namespace.connect(self.path)
+        # Checkpoints are run by the daemon's periodic task, not by a commit
+        # that happens to cross the threshold on the event loop.
+        self.rw.execute("PRAGMA wal_autocheckpoint = 0")
+        self.ro.execute("PRAGMA wal_autocheckpoint = 0")
+        self.limiter = trio.CapacityLimiter(1)
+
+    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(rw_conn, *args)`` in one transaction in the writer thread."""
+        return await trio.to_thread.run_sync(self._run, fn, args, limiter=self.limiter)
+
+    def _run(self, fn, args):
+        with namespace.transaction(self.rw):
+            return fn(self.rw, *args)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(rw_conn, *args)`` in the writer thread without a transaction."""
+        return await trio.to_thread.run_sync(fn, self.rw, *args, limiter=self.limiter)
+
+    def checkpoint_sync(self, mode: str = "PASSIVE") -> None:
+        self.rw.execute(f"PRAGMA wal_checkpoint({mode})")
+
+    async def checkpoint(self, mode: str = "PASSIVE") -> None:
+        await trio.to_thread.run_sync(self.checkpoint_sync, mode, limiter=self.limiter)
+
+    def sync_wal_sync(self) -> None:
+        """Make every commit so far durable (fsync of the WAL file)."""
+        for suffix in ("-wal", ""):
+            try:
+                fd = os.open(self.path + suffix, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    async def sync_wal(self) -> None:
+        await trio.to_thread.run_sync(self.sync_wal_sync, limiter=self.limiter)
+
+    def close(self) -> None:
+        try:
+            self.rw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error:
+            pass
+        self.ro.close()
+        self.rw.close()

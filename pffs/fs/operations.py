@@ -1,0 +1,750 @@
+"""pyfuse3 handlers: thin translations from FUSE requests to namespace and content calls.
+
+State kept in memory, on the trio thread only (code between two awaits is
+atomic with respect to other handlers):
+
+- ``lookups``: the kernel's lookup count per inode; an unlinked inode is
+  deleted when its count reaches zero and nothing has it open.
+- ``states``: per inode with open handles or staged writes: the staging
+  buffer, the committed block list, and a lock that orders writes and the
+  commit of that inode.
+- ``handles``: open file handles.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from .. import manifest as mf
+from .. import namespace as ns
+from ..errors import IntegrityError, StoreFull
+from ..namespace import BLOCK_SIZE, FsError
+from .blobcache import BlobCache
+from .content import ContentStore, StoredContent
+from .db import Database
+from .staging import MemoryBudget, Staging
+from .virtual import VirtualTree
+
+log = logging.getLogger("pffs.fs")
+
+ENTRY_TIMEOUT = 10.0
+ATTR_TIMEOUT = 10.0
+BLKSIZE = 1 << 20
+DIGEST_XATTR = b"user.pffs.digest"
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 64 << 10
+MANIFEST = mf.MANIFEST_NAME.encode()
+
+
+def handler(fn):
+    """Map namespace errors to errnos; log anything unexpected and answer EIO."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args):
+        try:
+            return await fn(self, *args)
+        except FUSEError:
+            raise
+        except FsError as e:
+            raise FUSEError(e.errno) from None
+        except StoreFull as e:
+            log.warning("%s: %s", name, e)
+            raise FUSEError(errno.ENOSPC) from None
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("%s: store is full: %s", name, e)
+                raise FUSEError(errno.ENOSPC) from None
+            log.exception("%s%r failed", name, args[:2])
+            raise FUSEError(errno.EIO) from None
+        except Exception:
+            log.exception("%s%r failed", name, args[:2])
+            raise FUSEError(errno.EIO) from None
+    return wrapper
+
+
+@dataclass
+class InodeState:
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    opens: int = 0
+    staging: Staging | None = None
+    blocks: list[str] | None = None     # committed blob digests, by block number
+    writer_uid: int = 0
+    writer_gid: int = 0
+
+
+@dataclass
+class OpenFile:
+    ino: int
+    writable: bool
+    uid: int
+    gid: int
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
+                 staging_memory: int = 128 << 20, virtual: VirtualTree | None = None):
+        super().__init__()
+        self.db = db
+        self.content = content
+        self.cache = BlobCache(cache_size)
+        self.budget = MemoryBudget(staging_memory)
+        self.lookups: dict[int, int] = {}
+        self.states: dict[int, InodeState] = {}
+        self.handles: dict[int, OpenFile] = {}
+        self._next_fh = 1
+        self._loading: dict[str, trio.Event] = {}
+        self.virtual = virtual or VirtualTree(self)
+        self.nursery: trio.Nursery | None = None
+        self._notify_send, self._notify_recv = trio.open_memory_channel(10000)
+
+    # -- plumbing ---------------------------------------------------------
+
+    async def notifier(self) -> None:
+        """Send kernel cache invalidations from a worker thread, never from a handler."""
+        async for kind, args in self._notify_recv:
+            try:
+                if kind == "inode":
+                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, *args)
+                else:
+                    pyfuse3.invalidate_entry_async(*args, ignore_enoent=True)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENOTCONN):
+                    log.debug("invalidate %s %r: %s", kind, args, e)
+
+    def _notify(self, kind: str, *args) -> None:
+        try:
+            self._notify_send.send_nowait((kind, args))
+        except trio.WouldBlock:
+            log.debug("invalidation queue full, dropping %s %r", kind, args)
+
+    def _lookup_inc(self, ino: int, n: int = 1) -> None:
+        self.lookups[ino] = self.lookups.get(ino, 0) + n
+
+    def _in_use(self, ino: int) -> bool:
+        return ino in self.lookups or ino in self.states
+
+    def path_of(self, ino: int) -> str:
+        return ns.path_of(self.db.ro, ino)
+
+    def _attrs(self, node: ns.Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.id
+        a.generation = 0
+        a.entry_timeout = ENTRY_TIMEOUT
+        a.attr_timeout = ATTR_TIMEOUT
+        a.st_mode = node.mode
+        a.st_nlink = node.nlink
+        a.st_uid = node.uid
+        a.st_gid = node.gid
+        a.st_rdev = node.rdev
+        size = node.size
+        mtime = node.mtime_ns
+        st = self.states.get(node.id)
+        if st is not None and st.staging is not None:
+            size = st.staging.size
+            if st.staging.mtime_ns is not None:
+                mtime = st.staging.mtime_ns
+        a.st_size = size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = (size + 511) // 512
+        a.st_atime_ns = node.atime_ns
+        a.st_mtime_ns = mtime
+        a.st_ctime_ns = node.ctime_ns
+        return a
+
+    def _getattr(self, ino: int) -> pyfuse3.EntryAttributes:
+        return self._attrs(ns.get_inode(self.db.ro, ino))
+
+    def _state(self, ino: int) -> InodeState:
+        st = self.states.get(ino)
+        if st is None:
+            st = self.states[ino] = InodeState()
+        return st
+
+    async def _maybe_delete(self, ino: int) -> None:
+        """Delete an unlinked inode once the kernel and every handle let go of it."""
+        if self._in_use(ino):
+            return
+
+        def fn(conn):
+            row = conn.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
+            if row is not None and row[0] == 0 and not self._in_use(ino):
+                ns.delete_inode(conn, ino)
+        await self.db.write(fn)
+
+    # -- lookups and attributes --------------------------------------------
+
+    @handler
+    async def lookup(self, parent_inode, name, ctx=None):
+        v = self.virtual.lookup(parent_inode, name)
+        if v is not None:
+            return v
+        if len(name) > ns.NAME_MAX:
+            raise FUSEError(errno.ENAMETOOLONG)
+        if name == b".":
+            ino = parent_inode
+        elif name == b"..":
+            row = self.db.ro.execute("SELECT parent FROM dentries WHERE inode=? LIMIT 1",
+                                     (parent_inode,)).fetchone()
+            ino = row[0] if row else ns.ROOT_INODE
+        else:
+            ino = ns.lookup(self.db.ro, parent_inode, name)
+            if ino is None:
+                raise FUSEError(errno.ENOENT)
+        attr = self._getattr(ino)
+        self._lookup_inc(ino)
+        return attr
+
+    @handler
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            left = self.lookups.get(ino, 0) - n
+            if left > 0:
+                self.lookups[ino] = left
+                continue
+            self.lookups.pop(ino, None)
+            if not self.virtual.owns(ino):
+                try:
+                    await self._maybe_delete(ino)
+                except Exception:
+                    log.exception("forget of inode %d", ino)
+
+    @handler
+    async def getattr(self, inode, ctx=None):
+        if self.virtual.owns(inode):
+            return self.virtual.getattr(inode)
+        return self._getattr(inode)
+
+    @handler
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if self.virtual.owns(inode):
+            raise FUSEError(errno.EPERM)
+        node = ns.get_inode(self.db.ro, inode)
+        if fields.update_size:
+            if not node.is_reg:
+                raise FUSEError(errno.EINVAL)
+            await self._truncate(inode, attr.st_size, ctx)
+        t = ns.now_ns()
+        changes = {}
+        if fields.update_mode:
+            changes["mode"] = (node.mode & ns.S_IFMT) | (attr.st_mode & ~ns.S_IFMT)
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+            st = self.states.get(inode)
+            if st is not None and st.staging is not None:
+                # An explicit mtime wins over the time of the staged writes.
+                st.staging.mtime_ns = attr.st_mtime_ns
+        if changes or fields.update_size:
+            changes["ctime_ns"] = attr.st_ctime_ns if fields.update_ctime else t
+            await self.db.write(lambda c: ns.set_attrs(c, inode, **changes))
+        return self._getattr(inode)
+
+    @handler
+    async def readlink(self, inode, ctx):
+        v = self.virtual.readlink(inode)
+        if v is not None:
+            return v
+        node = ns.get_inode(self.db.ro, inode)
+        if not stat.S_ISLNK(node.mode):
+            raise FUSEError(errno.EINVAL)
+        return node.target
+
+    # -- directory changes -------------------------------------------------
+
+    def _reserved(self, parent: int, name: bytes) -> None:
+        if self.virtual.reserved(parent, name):
+            raise FUSEError(errno.EEXIST)
+
+    async def _make(self, parent, name, mode, ctx, rdev=0, target=None) -> pyfuse3.EntryAttributes:
+        self._reserved(parent, name)
+        node = await self.db.write(ns.make_inode, parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        self._lookup_inc(node.id)
+        return self._attrs(node)
+
+    @handler
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        mode = stat.S_IFDIR | (stat.S_IMODE(mode) & ~ctx.umask)
+        return await self._make(parent_inode, name, mode, ctx)
+
+    @handler
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        if stat.S_IFMT(mode) == 0:
+            mode |= stat.S_IFREG
+        mode = stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~ctx.umask)
+        return await self._make(parent_inode, name, mode, ctx, rdev=rdev)
+
+    @handler
+    async def symlink(self, parent_inode, name, target, ctx):
+        if len(target) > 4096:
+            raise FUSEError(errno.ENAMETOOLONG)
+        return await self._make(parent_inode, name, stat.S_IFLNK | 0o777, ctx, target=target)
+
+    @handler
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        mode = stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask)
+        attr = await self._make(parent_inode, name, mode, ctx)
+        fh = self._open_handle(attr.st_ino, flags, ctx)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), attr
+
+    @handler
+    async def unlink(self, parent_inode, name, ctx):
+        if self.virtual.reserved(parent_inode, name):
+            raise FUSEError(errno.EPERM)
+        ino, deleted = await self.db.write(ns.unlink, parent_inode, name, self._in_use)
+        if not deleted:
+            await self._maybe_delete(ino)
+
+    @handler
+    async def rmdir(self, parent_inode, name, ctx):
+        if self.virtual.reserved(parent_inode, name):
+            raise FUSEError(errno.EPERM)
+        ino, deleted = await self.db.write(ns.rmdir, parent_inode, name, self._in_use)
+        if not deleted:
+            await self._maybe_delete(ino)
+
+    @handler
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        if (self.virtual.reserved(parent_inode_old, name_old)
+                or self.virtual.reserved(parent_inode_new, name_new)):
+            raise FUSEError(errno.EPERM)
+        if len(name_new) > ns.NAME_MAX:
+            raise FUSEError(errno.ENAMETOOLONG)
+        checked = None
+        if name_new == MANIFEST:
+            ino = ns.lookup(self.db.ro, parent_inode_old, name_old)
+            if ino is None:
+                raise FUSEError(errno.ENOENT)
+            checked = await self._validate_existing(ino, parent_inode_new, "rename")
+        uid, gid = ctx.uid, ctx.gid
+
+        def fn(conn):
+            ino, replaced, deleted = ns.rename(conn, parent_inode_old, name_old, parent_inode_new,
+                                               name_new, flags, self._in_use)
+            created = []
+            if checked is not None:
+                created = self._take_manifest_name(conn, ino, checked, parent_inode_new, uid, gid)
+            return replaced, deleted, created
+
+        replaced, deleted, created = await self.db.write(fn)
+        self._announce(created)
+        if replaced is not None and not deleted:
+            await self._maybe_delete(replaced)
+
+    @handler
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        if self.virtual.owns(inode) or self.virtual.reserved(new_parent_inode, new_name):
+            raise FUSEError(errno.EPERM)
+        checked = None
+        if new_name == MANIFEST:
+            checked = await self._validate_existing(inode, new_parent_inode, "link")
+        uid, gid = ctx.uid, ctx.gid
+
+        def fn(conn):
+            node = ns.link(conn, inode, new_parent_inode, new_name)
+            created = []
+            if checked is not None:
+                created = self._take_manifest_name(conn, inode, checked, new_parent_inode, uid, gid)
+            return node, created
+
+        node, created = await self.db.write(fn)
+        self._announce(created)
+        self._lookup_inc(inode)
+        return self._attrs(node)
+
+    # -- manifests -----------------------------------------------------------
+
+    async def _validate_existing(self, ino: int, new_parent: int, op: str):
+        """Validate the content of *ino* before it takes the name manifest.json."""
+        node = ns.get_inode(self.db.ro, ino)
+        if not node.is_reg:
+            return None
+        st = self.states.get(ino)
+        if st is not None and st.staging is not None and st.staging.dirty:
+            async with st.lock:
+                await self._commit(ino, st, check_manifest=False)
+            node = ns.get_inode(self.db.ro, ino)
+        blocks = ns.blocks_of(self.db.ro, ino)
+        where = f"{self.path_of(new_parent).rstrip('/')}/manifest.json"
+        if node.size > mf.MAX_MANIFEST_BYTES:
+            log.warning("%s %s: refused manifest: %d bytes exceed the %d-byte cap", op, where,
+                        node.size, mf.MAX_MANIFEST_BYTES)
+            raise FUSEError(errno.EINVAL)
+        try:
+            data = b"".join([await self._blob(d, ino) for d in blocks])
+            m = await trio.to_thread.run_sync(mf.parse, data, limiter=self.content.limiter)
+        except mf.ManifestError as e:
+            log.warning("%s %s: refused manifest: %s", op, where, e)
+            raise FUSEError(errno.EINVAL) from None
+        return (node.digest, m.pages)
+
+    def _take_manifest_name(self, conn, ino, checked, parent, uid, gid):
+        digest, pages = checked
+        if ns.get_inode(conn, ino).digest != digest:
+            raise FsError(errno.EAGAIN, "manifest changed while it was being validated")
+        ns.record_manifest(conn, ino, pages)
+        return ns.fork_pages(conn, parent, pages, uid, gid)
+
+    def _announce(self, created) -> None:
+        """Tell the kernel about page files that appeared by themselves (forks)."""
+        dirs = set()
+        for pdir, name, _ino in created:
+            self._notify("entry", pdir, name)
+            dirs.add(pdir)
+        for d in dirs:
+            self._notify("inode", d, True)
+        if created:
+            log.info("metadata-only fork: %d page files appeared in %s", len(created),
+                     ", ".join(self.path_of(d) for d in dirs))
+
+    # -- open files -----------------------------------------------------------
+
+    def _open_handle(self, ino: int, flags: int, ctx) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        self.handles[fh] = OpenFile(ino, writable, ctx.uid, ctx.gid)
+        st = self._state(ino)
+        st.opens += 1
+        if writable:
+            st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
+        return fh
+
+    @handler
+    async def open(self, inode, flags, ctx):
+        if self.virtual.owns(inode):
+            return self.virtual.open(inode, flags)
+        node = ns.get_inode(self.db.ro, inode)
+        if node.is_dir:
+            raise FUSEError(errno.EISDIR)
+        fh = self._open_handle(inode, flags, ctx)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def _blob(self, digest: str, ino: int) -> bytes:
+        """Decoded, verified bytes of a blob, through the cache (EIO if damaged)."""
+        data = self.cache.get(digest)
+        if data is not None:
+            return data
+        while digest in self._loading:
+            await self._loading[digest].wait()
+            data = self.cache.get(digest)
+            if data is not None:
+                return data
+        ev = self._loading[digest] = trio.Event()
+        try:
+            data = await trio.to_thread.run_sync(self.content.blobs.get, digest,
+                                                 limiter=self.content.limiter)
+        except IntegrityError as e:
+            log.error("read %s: %s", self.path_of(ino), e)
+            raise FUSEError(errno.EIO) from None
+        finally:
+            del self._loading[digest]
+            ev.set()
+        self.cache.put(digest, data)
+        return data
+
+    @handler
+    async def read(self, fh, off, size):
+        if fh in self.virtual.handles:
+            return await self.virtual.read(fh, off, size)
+        of = self.handles[fh]
+        st = self.states.get(of.ino)
+        if st is not None and st.staging is not None:
+            async with st.lock:
+                if st.staging is not None:
+                    if st.staging.in_memory:
+                        return st.staging.read(off, size)
+                    return await trio.to_thread.run_sync(st.staging.read, off, size)
+        node = ns.get_inode(self.db.ro, of.ino)
+        end = min(off + size, node.size)
+        if off >= end:
+            return b""
+        if st is None or st.blocks is None:
+            blocks = ns.blocks_of(self.db.ro, of.ino)
+            if st is not None:
+                st.blocks = blocks
+        else:
+            blocks = st.blocks
+        out = []
+        for bn in range(off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
+            data = await self._blob(blocks[bn], of.ino)
+            base = bn * BLOCK_SIZE
+            out.append(data[max(off, base) - base:min(end, base + len(data)) - base])
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    async def _load_staging(self, ino: int, st: InodeState) -> Staging:
+        """Stage a file for change, starting from its committed bytes."""
+        node = ns.get_inode(self.db.ro, ino)
+        initial = b""
+        if node.size:
+            blocks = ns.blocks_of(self.db.ro, ino)
+            initial = b"".join([await self._blob(d, ino) for d in blocks])
+        stg = Staging(self.budget, str(self.content.staging_dir), b"")
+        if initial:
+            if len(initial) <= BLOCK_SIZE:
+                stg = Staging(self.budget, str(self.content.staging_dir), initial)
+            else:
+                await trio.to_thread.run_sync(stg.write, 0, initial)
+            stg.dirty = False
+        st.staging = stg
+        return stg
+
+    @handler
+    async def write(self, fh, off, buf):
+        of = self.handles[fh]
+        if not of.writable:
+            raise FUSEError(errno.EBADF)
+        st = self.states[of.ino]
+        async with st.lock:
+            stg = st.staging or await self._load_staging(of.ino, st)
+            if stg.in_memory and off + len(buf) <= len(stg.buf or b""):
+                stg.write(off, buf)
+            elif stg.in_memory and off + len(buf) <= BLOCK_SIZE:
+                stg.write(off, buf)
+            else:
+                await trio.to_thread.run_sync(stg.write, off, buf)
+            stg.mtime_ns = ns.now_ns()
+        return len(buf)
+
+    async def _truncate(self, ino: int, size: int, ctx) -> None:
+        st = self._state(ino)
+        st.opens += 1  # hold the state while we work
+        try:
+            async with st.lock:
+                stg = st.staging or await self._load_staging(ino, st)
+                await trio.to_thread.run_sync(stg.truncate, size)
+                stg.mtime_ns = ns.now_ns()
+                if st.opens == 1:
+                    # No open handle will flush this: commit now.
+                    st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
+                    await self._commit(ino, st)
+        finally:
+            st.opens -= 1
+            await self._drop_state_if_idle(ino)
+
+    async def _commit(self, ino: int, st: InodeState, check_manifest: bool = True) -> None:
+        """Hash, compress and store the staged bytes, then point the inode at them.
+
+        Caller holds ``st.lock``.  A file named manifest.json must hold a valid
+        manifest, else EINVAL and the staged bytes are dropped (the previous
+        content stays).
+        """
+        stg = st.staging
+        if stg is None or not stg.dirty:
+            return
+        names = ns.names_of(self.db.ro, ino)
+        is_manifest = check_manifest and any(n == MANIFEST for _, n in names)
+        try:
+            stored: StoredContent = await self.content.store(stg, parse_manifest=is_manifest)
+        except FsError:
+            raise
+        if stored.manifest_error is not None:
+            where = self.path_of(ino)
+            log.warning("close %s: refused manifest: %s", where, stored.manifest_error)
+            stg.close()
+            st.staging = None
+            self._notify("inode", ino, False)
+            raise FUSEError(errno.EINVAL)
+        uid, gid = st.writer_uid, st.writer_gid
+        pages = stored.manifest.pages if stored.manifest is not None else None
+
+        def fn(conn):
+            ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
+                           stg.mtime_ns)
+            created = []
+            if pages is not None:
+                ns.record_manifest(conn, ino, pages)
+                for parent, name in ns.names_of(conn, ino):
+                    if name == MANIFEST:
+                        created += ns.fork_pages(conn, parent, pages, uid, gid)
+            return created
+
+        created = await self.db.write(fn)
+        st.blocks = stored.blocks
+        stg.dirty = False
+        self._announce(created)
+
+    async def _drop_state_if_idle(self, ino: int) -> None:
+        st = self.states.get(ino)
+        if st is None or st.opens > 0:
+            return
+        if st.staging is not None:
+            if st.staging.dirty:
+                async with st.lock:
+                    try:
+                        await self._commit(ino, st)
+                    except FUSEError as e:
+                        log.warning("release %s: staged changes dropped (%s)", self.path_of(ino),
+                                    os.strerror(e.errno))
+            if st.opens > 0:
+                return
+            if st.staging is not None:
+                st.staging.close()
+        del self.states[ino]
+        await self._maybe_delete(ino)
+
+    @handler
+    async def flush(self, fh):
+        if fh in self.virtual.handles:
+            return
+        of = self.handles[fh]
+        st = self.states.get(of.ino)
+        if st is not None and st.staging is not None and st.staging.dirty:
+            async with st.lock:
+                await self._commit(of.ino, st)
+
+    @handler
+    async def fsync(self, fh, datasync):
+        if fh in self.virtual.handles:
+            return
+        await self.flush(fh)
+        await self.db.sync_wal()
+
+    @handler
+    async def release(self, fh):
+        if fh in self.virtual.handles:
+            self.virtual.release(fh)
+            return
+        of = self.handles.pop(fh)
+        st = self.states.get(of.ino)
+        if st is None:
+            return
+        st.opens -= 1
+        await self._drop_state_if_idle(of.ino)
+
+    # -- directories ------------------------------------------------------------
+
+    @handler
+    async def opendir(self, inode, ctx):
+        if self.virtual.owns(inode):
+            return inode
+        node = ns.get_inode(self.db.ro, inode)
+        if not node.is_dir:
+            raise FUSEError(errno.ENOTDIR)
+        return inode
+
+    @handler
+    async def readdir(self, fh, start_id, token):
+        if self.virtual.owns(fh):
+            await self.virtual.readdir(fh, start_id, token)
+            return
+        cur = self.db.ro.execute(
+            f"SELECT d.id, d.name, {', '.join('i.' + c.strip() for c in ns.INODE_COLS.split(','))}"
+            " FROM dentries d JOIN inodes i ON i.id = d.inode WHERE d.parent=? AND d.id > ?"
+            " ORDER BY d.id", (fh, start_id))
+        for row in cur:
+            node = ns.Inode(*row[2:])
+            if not pyfuse3.readdir_reply(token, row[1], self._attrs(node), row[0]):
+                break
+            self._lookup_inc(node.id)
+
+    @handler
+    async def releasedir(self, fh):
+        return
+
+    @handler
+    async def fsyncdir(self, fh, datasync):
+        await self.db.sync_wal()
+
+    @handler
+    async def statfs(self, ctx):
+        return self.content.statfs(self.db.ro)
+
+    # -- extended attributes ----------------------------------------------------
+
+    @staticmethod
+    def _xattr_ns_ok(name: bytes) -> None:
+        if not (name.startswith(b"user.") or name.startswith(b"trusted.")):
+            raise FUSEError(errno.EOPNOTSUPP)
+        if len(name) > XATTR_NAME_MAX:
+            raise FUSEError(errno.ERANGE)
+
+    @handler
+    async def setxattr(self, inode, name, value, ctx):
+        if self.virtual.owns(inode):
+            raise FUSEError(errno.EPERM)
+        if name == DIGEST_XATTR:
+            raise FUSEError(errno.EPERM)
+        self._xattr_ns_ok(name)
+        if len(value) > XATTR_SIZE_MAX:
+            raise FUSEError(errno.E2BIG)
+        t = ns.now_ns()
+
+        def fn(conn):
+            ns.get_inode(conn, inode)
+            conn.execute("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?,?,?)",
+                         (inode, name, value))
+            conn.execute("UPDATE inodes SET ctime_ns=? WHERE id=?", (t, inode))
+        await self.db.write(fn)
+
+    @handler
+    async def getxattr(self, inode, name, ctx):
+        if self.virtual.owns(inode):
+            raise FUSEError(pyfuse3.ENOATTR)
+        if name == DIGEST_XATTR:
+            node = ns.get_inode(self.db.ro, inode)
+            if not node.is_reg:
+                raise FUSEError(pyfuse3.ENOATTR)
+            st = self.states.get(inode)
+            if st is not None and st.staging is not None and st.staging.dirty:
+                async with st.lock:
+                    await self._commit(inode, st)
+                node = ns.get_inode(self.db.ro, inode)
+            return node.digest.encode()
+        row = self.db.ro.execute("SELECT value FROM xattrs WHERE inode=? AND name=?",
+                                 (inode, name)).fetchone()
+        if row is None:
+            raise FUSEError(pyfuse3.ENOATTR)
+        return row[0]
+
+    @handler
+    async def listxattr(self, inode, ctx):
+        if self.virtual.owns(inode):
+            return []
+        return [r[0] for r in self.db.ro.execute("SELECT name FROM xattrs WHERE inode=?", (inode,))]
+
+    @handler
+    async def removexattr(self, inode, name, ctx):
+        if name == DIGEST_XATTR or self.virtual.owns(inode):
+            raise FUSEError(errno.EPERM)
+        t = ns.now_ns()
+
+        def fn(conn):
+            cur = conn.execute("DELETE FROM xattrs WHERE inode=? AND name=?", (inode, name))
+            if cur.rowcount == 0:
+                raise FsError(pyfuse3.ENOATTR)
+            conn.execute("UPDATE inodes SET ctime_ns=? WHERE id=?", (t, inode))
+        await self.db.write(fn)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def commit_all(self) -> None:
+        """Commit every staged change (at unmount)."""
+        for ino, st in list(self.states.items()):
+            if st.staging is not None and st.staging.dirty:
+                async with st.lock:
+                    try:
+                        await self._commit(ino, st)
+                    except FUSEError as e:
+                        log.warning("unmount: %s: staged changes dropped (%s)", self.path_of(ino),
+                                    os.strerror(e.errno))
+

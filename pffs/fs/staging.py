@@ -1,0 +1,118 @@
+"""Bytes of files open for writing, held until the commit at flush/fsync/release.
+
+A staging buffer starts in memory and spills to a sparse temp file in the
+store's ``staging/`` folder once the process-wide memory budget or one block
+is exceeded, so files larger than RAM can be written.  Holes read as zeros.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from ..namespace import BLOCK_SIZE
+
+
+class MemoryBudget:
+    """Bytes of staging held in memory by all open files together."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+
+class Staging:
+    def __init__(self, budget: MemoryBudget, spill_dir: str, initial: bytes = b""):
+        self.budget = budget
+        self.spill_dir = spill_dir
+        self.buf: bytearray | None = bytearray(initial)
+        self.fd: int | None = None
+        self.size = len(initial)
+        budget.used += len(initial)
+        self.dirty = False
+        self.version = 0          # bumped by every change; a commit clears dirty only if unchanged
+        self.mtime_ns: int | None = None
+
+    def _spill(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="open-", dir=self.spill_dir)
+        os.unlink(path)
+        assert self.buf is not None
+        view = memoryview(self.buf)[:self.size]
+        off = 0
+        while off < len(view):
+            off += os.pwrite(fd, view[off:], off)
+        os.ftruncate(fd, self.size)
+        self.budget.used -= len(self.buf)
+        self.buf = None
+        self.fd = fd
+
+    def _changed(self) -> None:
+        self.dirty = True
+        self.version += 1
+
+    def write(self, off: int, data) -> int:
+        n = len(data)
+        end = off + n
+        if self.buf is not None:
+            grow = max(0, end - len(self.buf))
+            if end > BLOCK_SIZE or (grow and self.budget.used + grow > self.budget.limit):
+                self._spill()
+        if self.buf is not None:
+            if end > len(self.buf):
+                self.budget.used += end - len(self.buf)
+                self.buf.extend(bytes(end - len(self.buf)))
+            self.buf[off:end] = data
+        else:
+            view = memoryview(data)
+            done = 0
+            while done < n:
+                done += os.pwrite(self.fd, view[done:], off + done)
+        self.size = max(self.size, end)
+        self._changed()
+        return n
+
+    def truncate(self, size: int) -> None:
+        if self.buf is not None:
+            if size > BLOCK_SIZE or size - len(self.buf) + self.budget.used > self.budget.limit:
+                self._spill()
+        if self.buf is not None:
+            if size < len(self.buf):
+                self.budget.used -= len(self.buf) - size
+                del self.buf[size:]
+            else:
+                self.budget.used += size - len(self.buf)
+                self.buf.extend(bytes(size - len(self.buf)))
+        else:
+            os.ftruncate(self.fd, size)
+        self.size = size
+        self._changed()
+
+    def read(self, off: int, size: int) -> bytes:
+        end = min(off + size, self.size)
+        if off >= end:
+            return b""
+        if self.buf is not None:
+            return bytes(self.buf[off:end])
+        out = os.pread(self.fd, end - off, off)
+        # A sparse file reads back its holes as zeros; pad a short read the same way.
+        return out + bytes(end - off - len(out))
+
+    def view(self, blockno: int):
+        """Bytes of block *blockno* (a zero-copy view while in memory; no writes meanwhile)."""
+        off = blockno * BLOCK_SIZE
+        n = min(BLOCK_SIZE, self.size - off)
+        if self.buf is not None:
+            return memoryview(self.buf)[off:off + n]
+        return self.read(off, n)
+
+    @property
+    def in_memory(self) -> bool:
+        return self.buf is not None
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.budget.used -= len(self.buf)
+            self.buf = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

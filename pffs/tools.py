@@ -1,0 +1,156 @@
+"""Session tools that work through a mounted pffs: fork, seal, and finding a mount's daemon."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from . import manifest as mf
+from .errors import PffsError
+
+DIGEST_XATTR = "user.pffs.digest"
+
+
+def pffs_root(path: Path) -> Path | None:
+    """The mount point of the pffs holding *path*, or None."""
+    p = path.absolute()
+    while True:
+        if os.path.ismount(p):
+            return p if (p / ".pffs" / "version").exists() else None
+        if p.parent == p:
+            return None
+        p = p.parent
+
+
+def daemon_info(mountpoint: Path) -> dict[str, str]:
+    try:
+        text = (mountpoint / ".pffs" / "version").read_text()
+    except OSError as e:
+        raise PffsError(f"{mountpoint}: not a mounted pffs ({e.strerror})") from None
+    out = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        out[k] = v
+    return out
+
+
+def umount(mountpoint: str, timeout: float = 60.0) -> None:
+    mp = Path(mountpoint).absolute()
+    try:
+        os.stat(mp)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+            return
+        raise PffsError(f"{mp}: {e.strerror}") from None
+    if not os.path.ismount(mp):
+        raise PffsError(f"{mp}: not mounted")
+    pid = int(daemon_info(mp).get("pid", "0") or 0)
+    r = subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, text=True)
+    if r.returncode != 0:
+        msg = (r.stderr.strip().splitlines() or ["fusermount3 failed"])[-1]
+        raise PffsError(f"{mp}: {msg.replace('fusermount3: ', '')}")
+    deadline = time.monotonic() + timeout
+    while pid and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    if pid:
+        raise PffsError(f"daemon {pid} still running {timeout:.0f} s after unmount")
+
+
+def file_digest(path: Path) -> str:
+    """A file's digest: pffs's xattr when there is one, else sha256 of its bytes."""
+    try:
+        return os.getxattr(path, DIGEST_XATTR).decode()
+    except OSError:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return "sha256:" + h.hexdigest()
+
+
+def fork(src: str, dst: str) -> int:
+    """Metadata-only fork: DST gets SRC's manifest and, at once, every page (no bytes moved).
+
+    Returns the number of pages that appeared. Both must be on the same pffs.
+    """
+    s, d = Path(src), Path(dst)
+    man = s / mf.MANIFEST_NAME
+    if not man.is_file():
+        raise PffsError(f"{s}: not a session (no manifest.json)")
+    if d.exists() or d.is_symlink():
+        raise PffsError(f"{d}: already exists")
+    rs, rd = pffs_root(s), pffs_root(d.parent)
+    if rs is None or rd is None or rs != rd:
+        raise PffsError("fork needs SRC and DST on the same mounted pffs")
+    data = man.read_bytes()
+    try:
+        m = mf.parse(data)
+    except mf.ManifestError as e:
+        raise PffsError(f"{man}: {e}") from None
+    d.mkdir()
+    try:
+        (d / mf.PAGES_DIR).mkdir()
+        fd = os.open(d / mf.MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)  # the close validates the manifest and makes the pages appear
+    except OSError as e:
+        shutil.rmtree(d, ignore_errors=True)
+        raise PffsError(f"{d}: {e.strerror}") from None
+    present = sum(1 for i in range(len(m.pages)) if (d / mf.PAGES_DIR / mf.page_name(i)).exists())
+    return present
+
+
+def seal(session: str) -> tuple[int, int]:
+    """Rewrite SESSION/manifest.json from its current page files; returns (pages, changed)."""
+    s = Path(session)
+    man = s / mf.MANIFEST_NAME
+    try:
+        m = mf.parse(man.read_bytes())
+    except FileNotFoundError:
+        raise PffsError(f"{s}: not a session (no manifest.json)") from None
+    except mf.ManifestError as e:
+        raise PffsError(f"{man}: {e}") from None
+    pdir = s / mf.PAGES_DIR
+    found = {}
+    if pdir.is_dir():
+        for ent in os.scandir(pdir):
+            ix = mf.parse_page_name(ent.name)
+            if ix is not None and ent.is_file(follow_symlinks=False):
+                found[ix] = Path(ent.path)
+    n = max(found) + 1 if found else 0
+    missing = [i for i in range(n) if i not in found]
+    if missing:
+        raise PffsError(f"{pdir}: page {mf.page_name(missing[0])} is missing (pages must run from 000000)")
+    digests = []
+    for i in range(n):
+        size = found[i].stat().st_size
+        if size != m.page_bytes:
+            raise PffsError(f"{found[i]}: {size} bytes, the geometry needs {m.page_bytes}")
+        digests.append(file_digest(found[i]))
+    for seq in m.logical_seqs:
+        bad = [ix for ix in seq.page_ixs if ix >= n]
+        if bad:
+            raise PffsError(f"sequence {seq.id!r} uses page {mf.page_name(bad[0])}, which is gone")
+    changed = sum(1 for i, dg in enumerate(digests) if i >= len(m.pages) or m.pages[i] != dg)
+    changed += max(0, len(m.pages) - n)
+    m.pages = digests
+    tmp = s / f".manifest.json.seal-{os.getpid()}"
+    tmp.write_bytes(m.to_json())
+    try:
+        os.rename(tmp, man)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PffsError(f"{man}: {e.strerror}") from None
+    return n, changed
