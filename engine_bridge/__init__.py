@@ -1,0 +1,35 @@
+"""The engine bridge: an inference engine's paged KV pool <-> pffs sessions.
+
+Runs inside the engine process and needs torch; it never imports the
+filesystem.  Layout of the package:
+
+- :mod:`.pool` — describing a pool (layouts, dtypes), gathering/scattering blocks
+- :mod:`.staging` — bounded host staging buffers and the copy stream
+- :mod:`.sessions` — where sessions go: sinks/sources, plain or mounted directories
+- :mod:`.bridge` — page out / page in and what page-in checks
+- :mod:`.allocator` — a reference-counting block allocator
+- :mod:`.reference` — the reference engine (a small Llama-style transformer)
+- :mod:`.errors` — why a page-in is refused
+"""
+
+from .allocator import RefCountingAllocator
+from .bridge import SUPPORTED_LAYOUTS, Bridge, PageInResult, SeqBlocks, config_sha256
+from .errors import (BridgeError, DigestMismatch, IncompleteSession, InvalidSession,
+                     MismatchError, ModelMismatch, NoFreeBlocks, PageError, PageInError,
+                     PageOutError, Refused, SourceChanged, WrongSizePage)
+from .pool import (DEFAULT_KV, FLASH_ATTN, FLASHINFER, FLASHINFER_HND, LAYOUTS, BlockAllocator,
+                   BlockId, KVLayout, KVPool, dtype_name)
+from .sessions import (DIGEST_XATTR, DirSink, DirSource, MemorySession, SessionSink,
+                       SessionSource, as_sink, as_source)
+from .staging import DEFAULT_STAGING_BYTES, Staging
+
+__all__ = [
+    "Bridge", "PageInResult", "SeqBlocks", "config_sha256", "SUPPORTED_LAYOUTS",
+    "KVPool", "KVLayout", "BlockId", "BlockAllocator", "LAYOUTS", "FLASH_ATTN", "FLASHINFER",
+    "FLASHINFER_HND", "DEFAULT_KV", "dtype_name", "RefCountingAllocator",
+    "SessionSink", "SessionSource", "DirSink", "DirSource", "MemorySession", "as_sink",
+    "as_source", "DIGEST_XATTR", "Staging", "DEFAULT_STAGING_BYTES",
+    "BridgeError", "PageOutError", "PageInError", "InvalidSession", "IncompleteSession",
+    "MismatchError", "ModelMismatch", "PageError", "WrongSizePage", "DigestMismatch",
+    "SourceChanged", "NoFreeBlocks", "Refused",
+]

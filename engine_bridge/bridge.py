@@ -1,0 +1,392 @@
+"""Page out and page in: between an engine's KV pool and a session (SPEC §5).
+
+Page out gathers each distinct block of the given sequences into staging,
+zeroes the unused token slots of partly filled last pages, hands the bytes to
+a sink (which hashes and stores them), then writes manifest.json and commits
+the whole session at once.
+
+Page in checks the manifest against the pool (geometry, dtype, layout, kv
+conventions, model), checks that every listed page is there with the right
+size, verifies each needed page's sha256, and only then allocates blocks
+and scatters the bytes into them.  A refusal leaves the pool tensors and the
+allocator exactly as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from pffs.manifest import LAYOUTS as PAGE_LAYOUTS
+from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse
+from pffs.types import Digest, digest_of
+
+from .errors import (DigestMismatch, IncompleteSession, InvalidSession, MismatchError,
+                     ModelMismatch, NoFreeBlocks, PageOutError, SourceChanged, WrongSizePage)
+from .pool import DEFAULT_KV, BlockAllocator, BlockId, KVPool
+from .sessions import SessionSource, SinkLike, SourceLike, as_sink, as_source
+from .staging import DEFAULT_STAGING_BYTES, Staging, batches
+
+#: The page-byte layouts this bridge reads and writes.
+SUPPORTED_LAYOUTS = ("paged-batchinvariant-v1",)
+assert all(l in PAGE_LAYOUTS for l in SUPPORTED_LAYOUTS)
+
+_PLACEHOLDER = Digest("sha256:" + "0" * 64)
+
+
+def config_sha256(config: dict[str, Any]) -> str:
+    """sha256 hex of a model config's canonical JSON (sorted keys, no spaces)."""
+    data = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+@dataclass
+class SeqBlocks:
+    """One logical sequence as an engine holds it.
+
+    ``block_ids[i]`` holds tokens ``i*block_size ..``; the last block holds
+    the remaining ``n_tokens`` (so ``len(block_ids) == ceil(n_tokens /
+    block_size)``).  ``token_ids``, when known, are the ``n_tokens`` tokens
+    whose KV the blocks hold.
+    """
+
+    id: str
+    block_ids: list[BlockId]
+    n_tokens: int
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class PageInResult:
+    """What a page-in built: the sequences (on new blocks) and the blocks taken.
+
+    Each block in ``blocks`` was allocated once and holds one reference; a
+    page shared by several sequences is one block appearing in each of them,
+    so an engine that counts references adds the extra ones when it adopts
+    the sequences.
+    """
+
+    seqs: list[SeqBlocks]
+    blocks: list[BlockId]
+    manifest: Manifest
+
+
+def _kv_norm(kv: dict[str, Any] | None) -> dict[str, Any]:
+    return {**DEFAULT_KV, **(kv or {})}
+
+
+class Bridge:
+    """Moves pages between one engine's pool and sessions.
+
+    *model* is the engine's model identity (``name``, ``revision``,
+    ``config_sha256``), written into manifests and compared at page-in.
+    The staging buffers are allocated once, grow up to *staging_bytes* of host
+    memory whatever the session size, and are reused by every call.
+    """
+
+    def __init__(self, pool: KVPool, allocator: BlockAllocator | None = None, *,
+                 engine_name: str = "engine", model: dict[str, Any] | None = None,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+        self.pool = pool
+        self.allocator = allocator
+        self.engine_name = engine_name
+        self.model = dict(model) if model else None
+        self.staging = Staging(pool.device, pool.page_bytes, staging_bytes)
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- page out
+
+    def plan(self, seqs: Sequence[SeqBlocks], *, include_token_ids: bool = True
+             ) -> tuple[Manifest, list[BlockId], list[int]]:
+        """The manifest (digests still unset) and, per page, its block and used slots.
+
+        A page is one (block, used token slots) pair: a block shared by
+        several sequences with the same fill is one page, listed once.
+        """
+        P = self.pool.block_size
+        page_of: dict[tuple[int, int], int] = {}
+        blocks: list[BlockId] = []
+        used: list[int] = []
+        lseqs: list[LogicalSeq] = []
+        for s in seqs:
+            n_pages = len(s.block_ids)
+            if s.n_tokens < 0 or n_pages != -(-s.n_tokens // P):
+                raise PageOutError(f"sequence {s.id!r}: {s.n_tokens} tokens need "
+                                   f"{-(-max(s.n_tokens, 0) // P)} blocks of {P}, not {n_pages}")
+            if n_pages and not (0 <= min(s.block_ids) and max(s.block_ids) < self.pool.num_blocks):
+                raise PageOutError(f"sequence {s.id!r}: block ids outside 0..{self.pool.num_blocks - 1}")
+            toks = None
+            if include_token_ids and s.token_ids is not None:
+                toks = [int(t) for t in s.token_ids]
+                if len(toks) != s.n_tokens:
+                    raise PageOutError(f"sequence {s.id!r}: {len(toks)} token ids for {s.n_tokens} tokens")
+            last_used = s.n_tokens - (n_pages - 1) * P
+            ixs = []
+            for j, b in enumerate(s.block_ids):
+                key = (int(b), P if j < n_pages - 1 else last_used)
+                ix = page_of.get(key)
+                if ix is None:
+                    ix = page_of[key] = len(blocks)
+                    blocks.append(BlockId(key[0]))
+                    used.append(key[1])
+                ixs.append(ix)
+            lseqs.append(LogicalSeq(s.id, ixs, s.n_tokens % P, toks))
+        manifest = Manifest(**self.pool.geometry, pages=[_PLACEHOLDER] * len(blocks),
+                            logical_seqs=lseqs, layout=SUPPORTED_LAYOUTS[0], model=self.model,
+                            kv=dict(self.pool.kv), engine=self.pool.engine_info(self.engine_name))
+        try:
+            manifest.validate()
+        except ManifestError as e:
+            raise PageOutError(f"cannot describe these sequences: {e}") from None
+        return manifest, blocks, used
+
+    def page_out(self, seqs: Sequence[SeqBlocks], dest: SinkLike, *,
+                 include_token_ids: bool = True) -> Manifest:
+        """Write *seqs* as one session into *dest* (a sink or a directory path).
+
+        The session appears complete or not at all; an existing name raises
+        FileExistsError.  Returns the manifest written.
+        """
+        manifest, blocks, used = self.plan(seqs, include_token_ids=include_token_ids)
+        sink = as_sink(dest)
+        try:
+            with self._lock:
+                manifest.pages = self._write_pages(blocks, used, sink)
+            sink.write_manifest(manifest.to_json())
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        return manifest
+
+    def _write_pages(self, blocks: list[BlockId], used: list[int], sink) -> list[Digest]:
+        n = len(blocks)
+        if not n:
+            return []
+        st, pool, P = self.staging, self.pool, self.pool.block_size
+        size = min(st.max_batch, n)
+        st.reserve(size)
+        jobs = list(batches(n, size))
+        digests: list[Digest] = []
+
+        def fetch(j: int, a: int, b: int) -> None:
+            # Device side of batch j: gather, clear unused slots, start the copy out.
+            half = j % 2
+            with st.on_stream():
+                buf = st.dev(half, b - a)
+                pool.gather(pool.block_index(blocks[a:b]), buf)
+                for r in range(a, b):
+                    if used[r] < P:
+                        pool.zero_tail(buf, r - a, used[r])
+                st.to_host(half, b - a)
+                st.mark(half)
+
+        st.begin()
+        try:
+            fetch(*jobs[0])
+            for k, (j, a, b) in enumerate(jobs):
+                # Batch j+1 reuses the half batch j-1 used, which is written out by now.
+                if k + 1 < len(jobs):
+                    fetch(*jobs[k + 1])
+                st.wait(j % 2)
+                for r in range(a, b):
+                    digests.append(sink.write_page(r, memoryview(st.host_row(j % 2, r - a))))
+        finally:
+            st.synchronize()
+        return digests
+
+    def read_page(self, seq: SeqBlocks, page_no: int) -> bytes:
+        """The page bytes of page *page_no* of a live sequence (for live views)."""
+        P = self.pool.block_size
+        n_pages = len(seq.block_ids)
+        if not 0 <= page_no < n_pages:
+            raise IndexError(f"sequence {seq.id!r} has {n_pages} pages")
+        fill = P if page_no < n_pages - 1 else seq.n_tokens - (n_pages - 1) * P
+        st = self.staging
+        with self._lock:
+            st.reserve(1)
+            st.begin()
+            with st.on_stream():
+                buf = st.dev(0, 1)
+                self.pool.gather(self.pool.block_index([seq.block_ids[page_no]]), buf)
+                if fill < P:
+                    self.pool.zero_tail(buf, 0, fill)
+                st.to_host(0, 1)
+                st.mark(0)
+            st.wait(0)
+            st.synchronize()
+            return bytes(st.host_row(0, 0))
+
+    # ------------------------------------------------------------------ page in
+
+    def read_manifest(self, source: SessionSource) -> Manifest:
+        """Parse a source's manifest.json (InvalidSession / layout MismatchError)."""
+        try:
+            data = source.read_manifest()
+        except FileNotFoundError:
+            raise InvalidSession("no manifest.json") from None
+        except OSError as e:
+            raise InvalidSession(f"manifest.json: {e.strerror or e}") from None
+        try:
+            return parse(data)
+        except ManifestError as e:
+            if e.field == "layout":
+                raise MismatchError("layout", json.loads(data).get("layout"),
+                                    SUPPORTED_LAYOUTS[0]) from None
+            raise InvalidSession(f"manifest.json: {e}") from None
+
+    def check(self, manifest: Manifest, *, force: bool = False) -> None:
+        """Refuse a manifest whose pages mean something else in this pool.
+
+        Geometry, dtype, page layout and kv conventions must match; the model
+        identity must match where both sides give a field (``force`` skips
+        only that last check).  A manifest without ``kv`` is taken to follow
+        :data:`~engine_bridge.pool.DEFAULT_KV`.
+        """
+        g = self.pool.geometry
+        for key in ("page_size_tokens", "n_layers", "n_heads", "head_dim", "dtype"):
+            if getattr(manifest, key) != g[key]:
+                raise MismatchError(key, getattr(manifest, key), g[key])
+        if manifest.layout not in SUPPORTED_LAYOUTS:
+            raise MismatchError("layout", manifest.layout, SUPPORTED_LAYOUTS[0])
+        mine, theirs = _kv_norm(self.pool.kv), _kv_norm(manifest.kv)
+        for key in sorted(mine.keys() | theirs.keys()):
+            if mine.get(key) != theirs.get(key):
+                raise MismatchError(f"kv.{key}", theirs.get(key), mine.get(key))
+        if force or not manifest.model or not self.model:
+            return
+        for key in sorted(manifest.model.keys() & self.model.keys()):
+            a, b = manifest.model[key], self.model[key]
+            if a is not None and b is not None and a != b:
+                raise ModelMismatch(f"model.{key}", a, b)
+
+    def page_in(self, src: SourceLike, *, force: bool = False,
+                accept: Callable[[Manifest], None] | None = None) -> PageInResult:
+        """Load a complete session into freshly allocated blocks.
+
+        *accept*, if given, sees the checked manifest before anything is
+        allocated and may raise to refuse it (e.g. a sequence id already in
+        use).  Raises a :class:`~engine_bridge.errors.PageInError` naming the
+        reason; then no block is taken and the pool is untouched.
+        """
+        if self.allocator is None:
+            raise ValueError("this bridge has no allocator: it can page out only")
+        source = as_source(src)
+        manifest = self.read_manifest(source)
+        self.check(manifest, force=force)
+        if accept is not None:
+            accept(manifest)
+        needed = sorted({ix for s in manifest.logical_seqs for ix in s.page_ixs})
+        self._check_present(source, manifest)
+        free = self.allocator.num_free()
+        if free < len(needed):
+            raise NoFreeBlocks(len(needed), free)
+        with self._lock:
+            blocks = self._load(source, manifest, needed)
+        block_of = dict(zip(needed, blocks))
+        P = manifest.page_size_tokens
+        seqs = [SeqBlocks(s.id, [block_of[ix] for ix in s.page_ixs], s.n_tokens(P),
+                          None if s.token_ids is None else list(s.token_ids))
+                for s in manifest.logical_seqs]
+        return PageInResult(seqs, blocks, manifest)
+
+    def _check_present(self, source: SessionSource, manifest: Manifest) -> None:
+        # Completeness and sizes from metadata, when the source can tell them.
+        size_of = getattr(source, "page_size", None)
+        if size_of is None:
+            return
+        missing, sizes = [], {}
+        for ix in range(len(manifest.pages)):
+            try:
+                sizes[ix] = size_of(ix)
+            except FileNotFoundError:
+                missing.append(ix)
+        if missing:
+            raise IncompleteSession(missing)
+        want = manifest.page_bytes
+        for ix, size in sizes.items():
+            if size != want:
+                raise WrongSizePage(ix, f"{size} bytes, the session's geometry makes pages of {want}")
+
+    def _read_verified(self, source: SessionSource, manifest: Manifest, ix: int,
+                       row: np.ndarray, *, again: bool = False) -> None:
+        # Fill a staging row with page ix and check its size and digest.
+        want = len(row)
+        try:
+            into = getattr(source, "read_page_into", None)
+            if into is not None:
+                size = into(ix, memoryview(row))
+            else:
+                data = source.read_page(ix)
+                size = len(data)
+                if size == want:
+                    row[:] = np.frombuffer(data, dtype=np.uint8)
+        except FileNotFoundError:
+            raise IncompleteSession([ix]) from None
+        if size != want:
+            raise WrongSizePage(ix, f"{size} bytes, the session's geometry makes pages of {want}")
+        got = digest_of(row)
+        if got != manifest.pages[ix]:
+            cls, what = (SourceChanged, "changed while being paged in: ") if again else (DigestMismatch, "")
+            raise cls(ix, f"{what}its sha256 is {got}, manifest.json lists {manifest.pages[ix]}")
+
+    def _load(self, source: SessionSource, manifest: Manifest, needed: list[int]) -> list[BlockId]:
+        n = len(needed)
+        if not n:
+            return []
+        st, pool = self.staging, self.pool
+        if n <= st.capacity:
+            # Small enough to hold: read and verify everything, then write once.
+            per_half = -(-n // 2)
+            st.reserve(per_half)
+            for k, ix in enumerate(needed):
+                self._read_verified(source, manifest, ix, st.host_row(k // per_half, k % per_half))
+            blocks = self.allocator.allocate(n)
+            try:
+                st.begin()
+                for j, a, b in batches(n, per_half):
+                    with st.on_stream():
+                        st.to_device(j, b - a)
+                        pool.scatter(pool.block_index(blocks[a:b]), st.dev(j, b - a))
+                st.synchronize()
+            except BaseException:
+                st.synchronize()
+                self.allocator.free(blocks)
+                raise
+            return blocks
+
+        # Larger than staging: verify every page first (from the source's own
+        # digests where it gives them), then stream read -> verify -> scatter.
+        st.reserve(st.max_batch)
+        scratch = st.host_row(0, 0)
+        for ix in needed:
+            known = source.page_digest(ix)
+            if known is None:
+                self._read_verified(source, manifest, ix, scratch)
+            elif known != manifest.pages[ix]:
+                raise DigestMismatch(ix, f"its sha256 is {known}, manifest.json lists {manifest.pages[ix]}")
+        blocks = self.allocator.allocate(n)
+        try:
+            st.begin()
+            for j, a, b in batches(n, st.max_batch):
+                half = j % 2
+                st.wait(half)  # the copy out of this half (batch j-2) is done
+                for r in range(a, b):
+                    self._read_verified(source, manifest, needed[r], st.host_row(half, r - a), again=True)
+                with st.on_stream():
+                    st.to_device(half, b - a)
+                    pool.scatter(pool.block_index(blocks[a:b]), st.dev(half, b - a))
+                    st.mark(half)
+            st.synchronize()
+        except BaseException:
+            # Only a source changing under us gets here: the blocks go back free
+            # (their old, unused contents are not restored).
+            st.synchronize()
+            self.allocator.free(blocks)
+            raise
+        return blocks
