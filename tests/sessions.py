@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 from pffs import manifest as mf
@@ -58,8 +59,11 @@ def tree_digest(root: Path) -> dict[str, str]:
         for f in filenames:
             p = Path(dirpath, f)
             key = os.path.normpath(os.path.join(rel, f))
+            st = os.lstat(p)
             if p.is_symlink():
                 out[key] = "link:" + os.readlink(p)
+            elif not stat.S_ISREG(st.st_mode):
+                out[key] = f"special:{stat.S_IFMT(st.st_mode):o}:{st.st_rdev}"
             else:
                 out[key] = digest(p.read_bytes())
     return out

@@ -437,6 +437,17 @@ class Operations(pyfuse3.Operations):
         if node.is_dir:
             raise FUSEError(errno.EISDIR)
         fh = self._open_handle(inode, flags, ctx)
+        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            # libfuse asks for atomic O_TRUNC: the truncation arrives here, and
+            # is staged like a write (a refused manifest keeps its old bytes).
+            st = self.states[inode]
+            async with st.lock:
+                stg = st.staging or await self._load_staging(inode, st, empty=True)
+                if stg.size:
+                    stg.truncate(0)
+                else:
+                    stg._changed()
+                stg.mtime_ns = ns.now_ns()
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def _blob(self, digest: str, ino: int) -> bytes:
@@ -491,11 +502,11 @@ class Operations(pyfuse3.Operations):
             out.append(data[max(off, base) - base:min(end, base + len(data)) - base])
         return out[0] if len(out) == 1 else b"".join(out)
 
-    async def _load_staging(self, ino: int, st: InodeState) -> Staging:
-        """Stage a file for change, starting from its committed bytes."""
+    async def _load_staging(self, ino: int, st: InodeState, empty: bool = False) -> Staging:
+        """Stage a file for change, starting from its committed bytes (or none)."""
         node = ns.get_inode(self.db.ro, ino)
         initial = b""
-        if node.size:
+        if node.size and not empty:
             blocks = ns.blocks_of(self.db.ro, ino)
             initial = b"".join([await self._blob(d, ino) for d in blocks])
         stg = Staging(self.budget, str(self.content.staging_dir), b"")

@@ -1,0 +1,171 @@
+"""Sessions on a real mount: manifest validation, forks, seal, durability (SPEC §3.3–3.7)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+
+import pytest
+
+import manifests as ex
+from mountutil import pffs
+from pffs import manifest as mf
+from sessions import digest, make_manifest, varied_pages, write_session
+
+
+def stats(mnt) -> dict:
+    return json.loads((mnt / ".pffs" / "stats.json").read_text())
+
+
+def bad_cases():
+    return ex.BAD + [("oversize", ex.oversize(), "manifest")]
+
+
+@pytest.mark.parametrize("how", ["close", "rename", "link"])
+def test_bad_manifests_refused_old_kept(mnt, how):
+    mnt.allow("refused manifest")
+    s = mnt / "s"
+    s.mkdir()
+    good = ex.good_bytes()
+    (s / "manifest.json").write_bytes(good)
+    for name, data, _field in bad_cases():
+        if how == "close":
+            with pytest.raises(OSError) as ei:
+                with open(s / "manifest.json", "wb") as f:
+                    f.write(data)
+        else:
+            (s / "candidate").write_bytes(data)
+            with pytest.raises(OSError) as ei:
+                if how == "rename":
+                    os.rename(s / "candidate", s / "manifest.json")
+                else:
+                    os.unlink(s / "manifest.json")
+                    try:
+                        os.link(s / "candidate", s / "manifest.json")
+                    finally:
+                        if not (s / "manifest.json").exists():
+                            (s / "manifest.json").write_bytes(good)
+            os.unlink(s / "candidate")
+        assert ei.value.errno == errno.EINVAL, name
+        assert (s / "manifest.json").read_bytes() == good, name
+    log = mnt.log_text()
+    assert log.count("refused manifest") >= len(bad_cases())
+    assert "s/manifest.json" in log and "dtype: unknown dtype" in log
+
+
+def test_new_bad_manifest_by_cp_fails(mnt, tmp_path):
+    mnt.allow("refused manifest")
+    bad = tmp_path / "manifest.json"
+    bad.write_bytes(b"{not json")
+    (mnt / "x").mkdir()
+    r = subprocess.run(["cp", str(bad), str(mnt / "x" / "manifest.json")], capture_output=True, text=True)
+    assert r.returncode != 0 and "Invalid argument" in r.stderr
+    assert stats(mnt)["sessions"] == 0
+
+
+def test_seed_page_table_manifest_accepted(mnt):
+    (mnt / "seed").mkdir()
+    (mnt / "seed" / "manifest.json").write_bytes(ex.seed_form())
+    assert (mnt / "seed" / "manifest.json").read_bytes() == ex.seed_form()  # never rewritten
+    assert stats(mnt)["sessions"] == 1
+
+
+def test_metadata_only_fork(mnt, bf16_pages, tmp_path):
+    pages = varied_pages(bf16_pages, 12)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    before = stats(mnt)
+    # The manual recipe: mkdir -p b/pages && cp a/manifest.json b/
+    (mnt / "b" / "pages").mkdir(parents=True)
+    subprocess.run(["cp", str(mnt / "a" / "manifest.json"), str(mnt / "b")], check=True)
+    names = sorted(os.listdir(mnt / "b" / "pages"))
+    assert names == [mf.page_name(i) for i in range(12)]
+    for i in range(12):
+        assert (mnt / "b" / "pages" / mf.page_name(i)).read_bytes() == pages[i]
+    after = stats(mnt)
+    assert after["stored_bytes"] == before["stored_bytes"]
+    assert after["sessions"] == 2
+    st = os.stat(mnt / "b" / "pages" / "000000")
+    assert st.st_uid == os.getuid() and st.st_size == len(pages[0])
+
+
+def test_fork_without_pages_folder_creates_nothing(mnt, bf16_pages, tmp_path):
+    write_session(tmp_path / "a", varied_pages(bf16_pages, 3))
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    (mnt / "m").mkdir()
+    subprocess.run(["cp", str(mnt / "a" / "manifest.json"), str(mnt / "m")], check=True)
+    assert os.listdir(mnt / "m") == ["manifest.json"]
+
+
+def test_fork_of_unknown_pages_is_incomplete(mnt, bf16_pages, tmp_path):
+    pages = varied_pages(bf16_pages, 4)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    m = make_manifest(pages + varied_pages(bf16_pages, 2, salt=9))
+    (mnt / "c" / "pages").mkdir(parents=True)
+    (mnt / "c" / "manifest.json").write_bytes(m.to_json())
+    assert sorted(os.listdir(mnt / "c" / "pages")) == [mf.page_name(i) for i in range(4)]
+
+
+def test_pffs_fork_and_seal(mnt, bf16_pages, tmp_path):
+    pages = varied_pages(bf16_pages, 10)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    before = stats(mnt)
+    r = pffs("fork", mnt / "a", mnt / "f")
+    assert "10 pages" in r.stdout
+    assert sorted(os.listdir(mnt / "f" / "pages")) == [mf.page_name(i) for i in range(10)]
+    assert (mnt / "f" / "manifest.json").read_bytes() == (mnt / "a" / "manifest.json").read_bytes()
+    assert stats(mnt)["stored_bytes"] == before["stored_bytes"]
+    r = pffs("fork", mnt / "a", mnt / "f", check=False)
+    assert r.returncode != 0 and "already exists" in r.stderr
+    # Change a page: check reports the disagreement, seal fixes the manifest.
+    new = varied_pages(bf16_pages, 1, salt=77)[0]
+    (mnt / "f" / "pages" / "000004").write_bytes(new)
+    r = pffs("seal", mnt / "f")
+    assert "1 changed" in r.stdout
+    m = mf.parse((mnt / "f" / "manifest.json").read_bytes())
+    assert m.pages[4] == digest(new) and m.pages[3] == digest(pages[3])
+    # A wrong-sized page is refused by seal, naming it.
+    (mnt / "f" / "pages" / "000002").write_bytes(b"short")
+    r = pffs("seal", mnt / "f", check=False)
+    assert r.returncode != 0 and "000002" in r.stderr
+
+
+def test_unmount_remount_keeps_everything(mount_factory, bf16_pages, tmp_path):
+    from sessions import tree_digest
+    m = mount_factory()
+    write_session(tmp_path / "a", varied_pages(bf16_pages, 6))
+    subprocess.run(["cp", "-a", str(tmp_path / "a"), str(m / "a")], check=True)
+    os.setxattr(m / "a" / "manifest.json", "user.k", b"v")
+    os.symlink("a", m / "link")
+    want = tree_digest(m.path)
+    times = os.stat(m / "a" / "pages" / "000001").st_mtime_ns
+    assert m.stop() == 0
+    m.start()
+    assert tree_digest(m.path) == want
+    assert os.getxattr(m / "a" / "manifest.json", "user.k") == b"v"
+    assert os.stat(m / "a" / "pages" / "000001").st_mtime_ns == times
+    assert stats(m)["sessions"] == 1
+
+
+def test_kill9_keeps_closed_files(mount_factory, bf16_pages):
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 20)
+    for i, p in enumerate(pages):
+        (m / f"p{i}").write_bytes(p)
+    fd = os.open(m / "open-unflushed", os.O_CREAT | os.O_WRONLY)
+    os.write(fd, b"never closed")
+    m.kill9()
+    try:
+        os.close(fd)  # the connection is gone; the close may report it
+    except OSError:
+        pass
+    m.start()
+    for i, p in enumerate(pages):
+        assert (m / f"p{i}").read_bytes() == p
+    r = m.check_store()
+    # The store is in use by the new mount: check refuses it with one clear line.
+    assert r.returncode != 0 and "in use" in r.stderr
