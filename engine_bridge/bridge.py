@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -91,12 +93,14 @@ class Bridge:
 
     def __init__(self, pool: KVPool, allocator: BlockAllocator | None = None, *,
                  engine_name: str = "engine", model: dict[str, Any] | None = None,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, io_workers: int | None = None):
         self.pool = pool
         self.allocator = allocator
         self.engine_name = engine_name
         self.model = dict(model) if model else None
         self.staging = Staging(pool.device, pool.page_bytes, staging_bytes)
+        # Threads that hash and read or write page files (hashlib and file I/O release the GIL).
+        self.io_workers = io_workers or max(1, min(4, os.cpu_count() or 1))
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- page out
@@ -169,7 +173,7 @@ class Bridge:
         if not n:
             return []
         st, pool, P = self.staging, self.pool, self.pool.block_size
-        size = min(st.max_batch, n)
+        size = _batch_size(n, st.max_batch)
         st.reserve(size)
         jobs = list(batches(n, size))
         digests: list[Digest] = []
@@ -186,17 +190,26 @@ class Bridge:
                 st.to_host(half, b - a)
                 st.mark(half)
 
+        # Sinks that allow it get pages from several threads; others from one
+        # writer thread, in order.  Either way writing batch j overlaps fetching j+1.
+        workers = self.io_workers if getattr(sink, "concurrent", False) else 1
+        ex = ThreadPoolExecutor(workers, thread_name_prefix="pffs-page-out")
         st.begin()
         try:
             fetch(*jobs[0])
+            prev: list[Future] = []
             for k, (j, a, b) in enumerate(jobs):
-                # Batch j+1 reuses the half batch j-1 used, which is written out by now.
+                st.wait(j % 2)
+                cur = [ex.submit(sink.write_page, r, memoryview(st.host_row(j % 2, r - a)))
+                       for r in range(a, b)]
+                # Batch j+1 goes into the half batch j-1 used: wait until it is written.
+                digests.extend(f.result() for f in prev)
                 if k + 1 < len(jobs):
                     fetch(*jobs[k + 1])
-                st.wait(j % 2)
-                for r in range(a, b):
-                    digests.append(sink.write_page(r, memoryview(st.host_row(j % 2, r - a))))
+                prev = cur
+            digests.extend(f.result() for f in prev)
         finally:
+            ex.shutdown(wait=True, cancel_futures=True)
             st.synchronize()
         return digests
 
@@ -339,54 +352,96 @@ class Bridge:
         n = len(needed)
         if not n:
             return []
-        st, pool = self.staging, self.pool
-        if n <= st.capacity:
-            # Small enough to hold: read and verify everything, then write once.
-            per_half = -(-n // 2)
-            st.reserve(per_half)
-            for k, ix in enumerate(needed):
-                self._read_verified(source, manifest, ix, st.host_row(k // per_half, k % per_half))
-            blocks = self.allocator.allocate(n)
-            try:
-                st.begin()
-                for j, a, b in batches(n, per_half):
-                    with st.on_stream():
-                        st.to_device(j, b - a)
-                        pool.scatter(pool.block_index(blocks[a:b]), st.dev(j, b - a))
-                st.synchronize()
-            except BaseException:
-                st.synchronize()
-                self.allocator.free(blocks)
-                raise
-            return blocks
+        ex = ThreadPoolExecutor(self.io_workers, thread_name_prefix="pffs-page-in")
+        try:
+            if n <= self.staging.capacity:
+                return self._load_held(source, manifest, needed, ex)
+            return self._load_streamed(source, manifest, needed, ex)
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
 
-        # Larger than staging: verify every page first (from the source's own
-        # digests where it gives them), then stream read -> verify -> scatter.
-        st.reserve(st.max_batch)
-        scratch = st.host_row(0, 0)
-        for ix in needed:
-            known = source.page_digest(ix)
-            if known is None:
-                self._read_verified(source, manifest, ix, scratch)
-            elif known != manifest.pages[ix]:
-                raise DigestMismatch(ix, f"its sha256 is {known}, manifest.json lists {manifest.pages[ix]}")
+    def _read_all(self, ex: ThreadPoolExecutor, tasks) -> None:
+        # Run (source, manifest, ix, row, again) reads in parallel; raise the
+        # first failure in page order once all have stopped touching staging.
+        futs = [ex.submit(self._read_verified, *t[:4], again=t[4]) for t in tasks]
+        wait(futs)
+        for f in futs:
+            f.result()
+
+    def _load_held(self, source, manifest, needed, ex) -> list[BlockId]:
+        # Small enough to hold: read and verify everything, then allocate and write once.
+        st, pool, n = self.staging, self.pool, len(needed)
+        per_half = -(-n // 2)
+        st.reserve(per_half)
+        self._read_all(ex, [(source, manifest, ix, st.host_row(k // per_half, k % per_half), False)
+                            for k, ix in enumerate(needed)])
         blocks = self.allocator.allocate(n)
         try:
             st.begin()
-            for j, a, b in batches(n, st.max_batch):
-                half = j % 2
-                st.wait(half)  # the copy out of this half (batch j-2) is done
-                for r in range(a, b):
-                    self._read_verified(source, manifest, needed[r], st.host_row(half, r - a), again=True)
+            for j, a, b in batches(n, per_half):
                 with st.on_stream():
-                    st.to_device(half, b - a)
-                    pool.scatter(pool.block_index(blocks[a:b]), st.dev(half, b - a))
-                    st.mark(half)
+                    st.to_device(j, b - a)
+                    pool.scatter(pool.block_index(blocks[a:b]), st.dev(j, b - a))
             st.synchronize()
         except BaseException:
-            # Only a source changing under us gets here: the blocks go back free
-            # (their old, unused contents are not restored).
             st.synchronize()
             self.allocator.free(blocks)
             raise
         return blocks
+
+    def _load_streamed(self, source, manifest, needed, ex) -> list[BlockId]:
+        # Larger than staging: verify every page first (from the source's own
+        # digests where it gives them, else by reading it), then allocate and
+        # stream read -> verify -> scatter, reading batch j+1 while batch j is
+        # scattered.  The bytes scattered are always the bytes just hashed.
+        st, pool, n = self.staging, self.pool, len(needed)
+        st.reserve(st.max_batch)
+        unknown = []
+        for ix in needed:
+            known = source.page_digest(ix)
+            if known is None:
+                unknown.append(ix)
+            elif known != manifest.pages[ix]:
+                raise DigestMismatch(ix, f"its sha256 is {known}, manifest.json lists {manifest.pages[ix]}")
+        for _, a, b in batches(len(unknown), st.capacity):
+            self._read_all(ex, [(source, manifest, unknown[r],
+                                 st.host_row((r - a) % 2, (r - a) // 2), False) for r in range(a, b)])
+
+        jobs = list(batches(n, st.max_batch))
+
+        def read(j: int, a: int, b: int) -> list[Future]:
+            return [ex.submit(self._read_verified, source, manifest, needed[r],
+                              st.host_row(j % 2, r - a), again=True) for r in range(a, b)]
+
+        blocks = self.allocator.allocate(n)
+        futs: list[Future] = []
+        try:
+            st.begin()
+            futs = read(*jobs[0])
+            for k, (j, a, b) in enumerate(jobs):
+                wait(futs)
+                for f in futs:
+                    f.result()
+                if k + 1 < len(jobs):
+                    st.wait((j + 1) % 2)  # the copy out of that half (batch j-1) is done
+                    futs = read(*jobs[k + 1])
+                else:
+                    futs = []
+                with st.on_stream():
+                    st.to_device(j % 2, b - a)
+                    pool.scatter(pool.block_index(blocks[a:b]), st.dev(j % 2, b - a))
+                    st.mark(j % 2)
+            st.synchronize()
+        except BaseException:
+            # Only a source changing under us (or failing to read) gets here:
+            # the blocks go back free; their old, unused contents are not restored.
+            wait(futs)
+            st.synchronize()
+            self.allocator.free(blocks)
+            raise
+        return blocks
+
+
+def _batch_size(n: int, max_batch: int) -> int:
+    """Pages per batch: at most the staging half, and small enough to overlap."""
+    return max(1, min(max_batch, -(-n // 4)))

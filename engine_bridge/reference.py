@@ -454,16 +454,16 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) 
     vf = v.float().permute(1, 0, 2)           # [Hkv, n, D]
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     scale = 1.0 / math.sqrt(d)
-    key_pos = torch.arange(n, device=q.device)
     for a in range(0, t, _ATTN_CHUNK):
         b = min(t, a + _ATTN_CHUNK)
+        lim = q_start + b  # keys after the chunk's last query are never attended
         qf = q[a:b].float().view(b - a, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * (b - a), d)
-        scores = torch.bmm(qf, kf).mul_(scale).view(hkv, g, b - a, n)
-        q_pos = torch.arange(q_start + a, q_start + b, device=q.device)
-        masked = key_pos[None, :] > q_pos[:, None]
-        if bool(masked.any()):
-            scores.masked_fill_(masked, float("-inf"))
-        probs = scores.softmax(dim=-1).view(hkv, g * (b - a), n)
-        o = torch.bmm(probs, vf).view(hkv, g, b - a, d).permute(2, 0, 1, 3)
+        scores = torch.bmm(qf, kf[:, :, :lim]).mul_(scale).view(hkv, g, b - a, lim)
+        if b - a > 1:
+            q_pos = torch.arange(q_start + a, q_start + b, device=q.device)
+            key_pos = torch.arange(lim, device=q.device)
+            scores.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1).view(hkv, g * (b - a), lim)
+        o = torch.bmm(probs, vf[:, :lim]).view(hkv, g, b - a, d).permute(2, 0, 1, 3)
         out[a:b] = o.reshape(b - a, hq, d).to(q.dtype)
     return out

@@ -32,7 +32,9 @@ class SessionSink(Protocol):
     ``write_page`` must consume *data* before it returns (the buffer is the
     bridge's staging memory and is reused) and return the page's digest.
     ``commit`` makes the session visible at once and raises FileExistsError
-    if the name is taken; ``abort`` discards everything written.
+    if the name is taken; ``abort`` discards everything written.  Pages are
+    written from one thread, in order, unless the sink sets
+    ``concurrent = True``: then several pages may be written at once.
     """
 
     def write_page(self, ix: int, data: memoryview) -> Digest: ...
@@ -111,6 +113,8 @@ class DirSink:
     *dest* until :meth:`commit`.
     """
 
+    concurrent = True  # each page is its own file
+
     def __init__(self, dest: str | os.PathLike):
         self.dest = Path(dest)
         name = self.dest.name
@@ -187,19 +191,27 @@ class DirSource:
 
 
 class MemorySession:
-    """A session held in memory: a sink that, once committed, is also a source."""
+    """A session held in memory: a sink that, once committed, is also a source.
+
+    It knows each page's digest from when it was written, and its bytes
+    cannot change, so it offers them as :meth:`page_digest`.
+    """
+
+    concurrent = True
 
     def __init__(self):
         self.pages: dict[int, bytes] = {}
+        self.digests: dict[int, Digest] = {}
         self.manifest: bytes | None = None
         self.committed = False
-        self._staged: dict[int, bytes] = {}
+        self._staged: dict[int, tuple[bytes, Digest]] = {}
         self._manifest: bytes | None = None
 
     def write_page(self, ix: int, data: memoryview) -> Digest:
         b = bytes(data)
-        self._staged[ix] = b
-        return digest_of(b)
+        d = digest_of(b)
+        self._staged[ix] = (b, d)
+        return d
 
     def write_manifest(self, data: bytes) -> None:
         self._manifest = bytes(data)
@@ -207,7 +219,9 @@ class MemorySession:
     def commit(self) -> None:
         if self.committed:
             raise FileExistsError(errno.EEXIST, "session exists", "<memory>")
-        self.pages, self.manifest, self.committed = self._staged, self._manifest, True
+        self.pages = {ix: b for ix, (b, _) in self._staged.items()}
+        self.digests = {ix: d for ix, (_, d) in self._staged.items()}
+        self.manifest, self.committed = self._manifest, True
         self._staged = {}
 
     def abort(self) -> None:
@@ -228,7 +242,7 @@ class MemorySession:
         return len(self.read_page(ix))
 
     def page_digest(self, ix: int) -> Digest | None:
-        return None
+        return self.digests.get(ix)
 
 
 def as_sink(dest: SinkLike) -> SessionSink:
