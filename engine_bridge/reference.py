@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .allocator import RefCountingAllocator
 from .bridge import Bridge, PageInResult, SeqBlocks, config_sha256
-from .errors import NoFreeBlocks, Refused
+from .errors import Refused
 from .pool import FLASH_ATTN, TORCH_DTYPES, BlockId, KVLayout, KVPool, layout_of
 from .sessions import SinkLike, SourceLike
 from .staging import DEFAULT_STAGING_BYTES
