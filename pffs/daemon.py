@@ -30,6 +30,7 @@ from .storedir import StoreDir
 log = logging.getLogger("pffs.daemon")
 
 CHECKPOINT_INTERVAL = 30.0
+SYNC_INTERVAL = 0.5
 
 
 @dataclass
@@ -41,6 +42,7 @@ class MountOptions:
     staging_memory: int = 128 << 20
     snapshot_interval: float = 300.0
     snapshots_kept: int = 3
+    sync: str = "batch"   # "batch": grouped blob fsyncs every SYNC_INTERVAL; "close": at every close
 
 
 def parse_size(text: str) -> int:
@@ -74,6 +76,10 @@ def parse_options(opts: list[str]) -> MountOptions:
                 o.codec = val
             elif key == "staging_memory":
                 o.staging_memory = parse_size(val)
+            elif key == "sync":
+                if val not in ("batch", "close"):
+                    raise PffsError("sync= takes batch or close")
+                o.sync = val
             elif key == "snapshot_interval":
                 o.snapshot_interval = float(val)
             else:
@@ -148,7 +154,8 @@ class Daemon:
         for p in st.blobs.temp_files():
             p.unlink()
         self.db = Database(st.db_path)
-        content = ContentStore(st.blobs, st.staging_dir, max_size=self.opts.max_size)
+        content = ContentStore(st.blobs, st.staging_dir, max_size=self.opts.max_size,
+                               sync_on_close=self.opts.sync == "close")
         content.stored_bytes = stored
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
@@ -166,10 +173,18 @@ class Daemon:
             nursery.start_soon(self.ops.notifier)
             nursery.start_soon(self._signals, nursery)
             nursery.start_soon(self._periodic)
+            nursery.start_soon(self._syncer)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
         with trio.CancelScope(shield=True):
             await self.ops.commit_all()
+            await self.ops.content.sync_pending()
+
+    async def _syncer(self) -> None:
+        """Blobs written by closes become durable within SYNC_INTERVAL, in groups."""
+        while True:
+            await trio.sleep(SYNC_INTERVAL)
+            await self.ops.content.sync_pending()
 
     async def _signals(self, nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -182,6 +197,8 @@ class Daemon:
         last_snapshot = time.monotonic()
         while True:
             await trio.sleep(CHECKPOINT_INTERVAL)
+            # Blobs first: the checkpoint makes namespace rows durable.
+            await self.ops.content.sync_pending()
             await self.db.checkpoint()
             if time.monotonic() - last_snapshot >= self.opts.snapshot_interval:
                 last_snapshot = time.monotonic()
@@ -200,6 +217,11 @@ class Daemon:
             pyfuse3.close(unmount=unmount)
         except Exception:
             log.exception("closing the FUSE session")
+        if self.ops is not None:
+            self.ops.content.pending.sync()
+            from .fs.operations import TIMING
+            for name, (n, total) in sorted((TIMING or {}).items(), key=lambda kv: -kv[1][1]):
+                log.info("timing %-12s %8d calls %9.3f s %8.1f us/call", name, n, total, total / n * 1e6)
         if self.db is not None:
             self.snapshot()
             self.db.close()

@@ -13,13 +13,13 @@ class BlobCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, digest: str) -> bytes | None:
+    def get(self, digest: str, count: bool = True) -> bytes | None:
         data = self._d.get(digest)
         if data is None:
-            self.misses += 1
+            self.misses += count
             return None
         self._d.move_to_end(digest)
-        self.hits += 1
+        self.hits += count
         return data
 
     def put(self, digest: str, data: bytes) -> None:

@@ -1,9 +1,10 @@
 """Where file bytes become blobs: hashing, compressing and storing staged content.
 
 All of it runs in worker threads bounded by ``limiter`` (hashlib, zstd and
-numpy release the GIL), never on the event loop.  Blobs are written and
-fsynced (one grouped round per commit) before the caller's namespace commit
-names them.
+numpy release the GIL), never on the event loop.  Blobs are fsynced in
+groups: by the commit itself with ``sync_on_close``, else by the daemon's
+syncer within ``SYNC_INTERVAL`` and by every fsync(), always before the WAL
+fsync that makes the namespace rows naming them durable against power loss.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import trio
 from .. import manifest as mf
 from ..errors import StoreFull
 from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
-from ..store.local import LocalBlobStore
+from ..store.local import LocalBlobStore, PutBatch
 from ..types import Digest, digest_of
 from .staging import Staging
 
@@ -36,16 +37,38 @@ class StoredContent:
 
 class ContentStore:
     def __init__(self, blobs: LocalBlobStore, staging_dir: str | os.PathLike, *,
-                 threads: int | None = None, max_size: int | None = None):
+                 threads: int | None = None, max_size: int | None = None,
+                 sync_on_close: bool = False):
         self.blobs = blobs
         self.staging_dir = Path(staging_dir)
         self.limiter = trio.CapacityLimiter(threads or max(2, os.cpu_count() or 2))
+        self.sync_limiter = trio.CapacityLimiter(1)
         self.max_size = max_size
         self.stored_bytes = 0  # kept current by the daemon for max_size checks
+        # With sync_on_close every commit fsyncs its own blobs before the
+        # namespace commit.  Otherwise blobs join ``pending`` and the daemon's
+        # syncer (or a user's fsync) makes them durable in groups.
+        self.sync_on_close = sync_on_close
+        self.pending = PutBatch()
 
-    async def store(self, stg: Staging, *, parse_manifest: bool) -> StoredContent:
-        return await trio.to_thread.run_sync(self._store_sync, stg, parse_manifest,
+    async def sync_pending(self) -> None:
+        """Make every blob written so far durable (grouped fsyncs)."""
+        if len(self.pending):
+            await trio.to_thread.run_sync(self.pending.sync, limiter=self.sync_limiter)
+
+    async def store(self, stg: Staging, *, parse_manifest: bool, then=None):
+        """Store the staged bytes; then, in the same worker thread, ``then(stored)``.
+
+        Returns (stored, result of then); *then* is skipped for a refused manifest.
+        """
+        return await trio.to_thread.run_sync(self._store_then, stg, parse_manifest, then,
                                              limiter=self.limiter)
+
+    def _store_then(self, stg: Staging, parse_manifest: bool, then):
+        stored = self._store_sync(stg, parse_manifest)
+        if then is None or stored.manifest_error is not None:
+            return stored, None
+        return stored, then(stored)
 
     def _store_sync(self, stg: Staging, parse_manifest: bool) -> StoredContent:
         size = stg.size
@@ -60,7 +83,7 @@ class ContentStore:
                 return StoredContent(size, "", [], [], manifest_error=e)
         nblocks = -(-size // BLOCK_SIZE)
         whole = hashlib.sha256() if nblocks > 1 else None
-        batch = self.blobs.batch()
+        batch = self.blobs.batch() if self.sync_on_close else self.pending
         blocks: list[str] = []
         rows: list[BlobRow] = []
         for bn in range(nblocks):
@@ -76,7 +99,8 @@ class ContentStore:
                 self.stored_bytes += r.stored_size
             blocks.append(d)
             rows.append(BlobRow(d, len(data), r.stored_size, r.codec))
-        batch.sync()
+        if self.sync_on_close:
+            batch.sync()
         if nblocks == 0:
             digest = EMPTY_DIGEST
         elif whole is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
 from typing import Any, Callable
 
 import trio
@@ -28,21 +29,25 @@ class Database:
         self.rw.execute("PRAGMA wal_autocheckpoint = 0")
         self.ro.execute("PRAGMA wal_autocheckpoint = 0")
         self.limiter = trio.CapacityLimiter(1)
+        # Held by whichever worker thread uses ``rw``: the writer thread, or a
+        # content thread committing the file it has just stored (saves a hop).
+        self.rw_lock = threading.Lock()
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(rw_conn, *args)`` in one transaction in the writer thread."""
         return await trio.to_thread.run_sync(self._run, fn, args, limiter=self.limiter)
 
     def _run(self, fn, args):
-        with namespace.transaction(self.rw):
+        with self.rw_lock, namespace.transaction(self.rw):
             return fn(self.rw, *args)
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(rw_conn, *args)`` in the writer thread without a transaction."""
-        return await trio.to_thread.run_sync(fn, self.rw, *args, limiter=self.limiter)
+    def run_in_transaction(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """From a worker thread: ``fn(rw_conn, *args)`` in one transaction."""
+        return self._run(fn, args)
 
     def checkpoint_sync(self, mode: str = "PASSIVE") -> None:
-        self.rw.execute(f"PRAGMA wal_checkpoint({mode})")
+        with self.rw_lock:
+            self.rw.execute(f"PRAGMA wal_checkpoint({mode})")
 
     async def checkpoint(self, mode: str = "PASSIVE") -> None:
         await trio.to_thread.run_sync(self.checkpoint_sync, mode, limiter=self.limiter)

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -29,7 +30,7 @@ from .. import namespace as ns
 from ..errors import IntegrityError, StoreFull
 from ..namespace import BLOCK_SIZE, FsError
 from .blobcache import BlobCache
-from .content import ContentStore, StoredContent
+from .content import ContentStore
 from .db import Database
 from .staging import MemoryBudget, Staging
 from .virtual import VirtualTree
@@ -42,7 +43,10 @@ BLKSIZE = 1 << 20
 DIGEST_XATTR = b"user.pffs.digest"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
+PREFETCH_PAGES = 8
 MANIFEST = mf.MANIFEST_NAME.encode()
+# PFFS_TIMING=1: count and time every handler; the daemon logs the totals at unmount.
+TIMING: dict[str, tuple[int, float]] | None = {} if os.environ.get("PFFS_TIMING") else None
 
 
 def handler(fn):
@@ -51,6 +55,7 @@ def handler(fn):
 
     @functools.wraps(fn)
     async def wrapper(self, *args):
+        t0 = time.perf_counter()
         try:
             return await fn(self, *args)
         except FUSEError:
@@ -69,6 +74,10 @@ def handler(fn):
         except Exception:
             log.exception("%s%r failed", name, args[:2])
             raise FUSEError(errno.EIO) from None
+        finally:
+            if TIMING is not None:
+                n, total = TIMING.get(name, (0, 0.0))
+                TIMING[name] = (n + 1, total + time.perf_counter() - t0)
     return wrapper
 
 
@@ -107,6 +116,8 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, OpenFile] = {}
         self._next_fh = 1
         self._loading: dict[str, trio.Event] = {}
+        self._prefetched: dict[int, int] = {}  # directory inode -> last page index prefetched
+        self.prefetch_limiter = trio.CapacityLimiter(max(1, (os.cpu_count() or 2)))
         self.virtual = virtual or VirtualTree(self)
         self.nursery: trio.Nursery | None = None
         self._notify_send, self._notify_recv = trio.open_memory_channel(10000)
@@ -178,6 +189,9 @@ class Operations(pyfuse3.Operations):
     async def _maybe_delete(self, ino: int) -> None:
         """Delete an unlinked inode once the kernel and every handle let go of it."""
         if self._in_use(ino):
+            return
+        row = self.db.ro.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
+        if row is None or row[0] != 0:
             return
 
         def fn(conn):
@@ -437,6 +451,8 @@ class Operations(pyfuse3.Operations):
         if node.is_dir:
             raise FUSEError(errno.EISDIR)
         fh = self._open_handle(inode, flags, ctx)
+        if self.nursery is not None and (flags & os.O_ACCMODE) != os.O_WRONLY:
+            self._prefetch_after(inode)
         if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
             # libfuse asks for atomic O_TRUNC: the truncation arrives here, and
             # is staged like a write (a refused manifest keeps its old bytes).
@@ -449,6 +465,52 @@ class Operations(pyfuse3.Operations):
                     stg._changed()
                 stg.mtime_ns = ns.now_ns()
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    def _prefetch_after(self, ino: int) -> None:
+        """Opening page N of a session: decode the next pages in the background.
+
+        Sequential reads of page files (cp, rsync, tar, cat, page-in) then find
+        them decoded in the cache, and decoding runs on the other cores.
+        """
+        row = self.db.ro.execute("SELECT parent, name FROM dentries WHERE inode=? LIMIT 1", (ino,)).fetchone()
+        if row is None:
+            return
+        ix = mf.parse_page_name(row[1])
+        if ix is None:
+            return
+        budget = self.cache.limit // 4
+        parent = row[0]
+        mark = self._prefetched.get(parent, -1)
+        if mark > ix + PREFETCH_PAGES or mark < ix:
+            mark = ix
+        if len(self._prefetched) > 1024:
+            self._prefetched.clear()
+        for k in range(mark - ix + 1, PREFETCH_PAGES + 1):
+            self._prefetched[parent] = ix + k
+            nxt = ns.lookup(self.db.ro, parent, mf.page_name(ix + k).encode())
+            if nxt is None:
+                return
+            for (d,) in self.db.ro.execute("SELECT blob FROM blocks WHERE inode=? ORDER BY blockno", (nxt,)):
+                if d in self._loading or self.cache.get(d, count=False) is not None:
+                    continue
+                size = self.db.ro.execute("SELECT raw_size FROM blobs WHERE digest=?", (d,)).fetchone()
+                if size is None or size[0] > budget:
+                    return
+                budget -= size[0]
+                self._loading[d] = trio.Event()
+                self.nursery.start_soon(self._prefetch_one, d)
+
+    async def _prefetch_one(self, digest: str) -> None:
+        ev = self._loading[digest]
+        try:
+            data = await trio.to_thread.run_sync(self.content.blobs.get, digest,
+                                                 limiter=self.prefetch_limiter)
+            self.cache.put(digest, data)
+        except Exception:
+            pass  # a real read of a damaged blob reports it
+        finally:
+            del self._loading[digest]
+            ev.set()
 
     async def _blob(self, digest: str, ino: int) -> bytes:
         """Decoded, verified bytes of a blob, through the cache (EIO if damaged)."""
@@ -564,10 +626,23 @@ class Operations(pyfuse3.Operations):
             return
         names = ns.names_of(self.db.ro, ino)
         is_manifest = check_manifest and any(n == MANIFEST for _, n in names)
-        try:
-            stored: StoredContent = await self.content.store(stg, parse_manifest=is_manifest)
-        except FsError:
-            raise
+        uid, gid = st.writer_uid, st.writer_gid
+
+        def fn(conn, stored):
+            ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
+                           stg.mtime_ns)
+            created = []
+            if stored.manifest is not None:
+                pages = stored.manifest.pages
+                ns.record_manifest(conn, ino, pages)
+                for parent, name in ns.names_of(conn, ino):
+                    if name == MANIFEST:
+                        created += ns.fork_pages(conn, parent, pages, uid, gid)
+            return created
+
+        stored, created = await self.content.store(
+            stg, parse_manifest=is_manifest,
+            then=lambda stored: self.db.run_in_transaction(fn, stored))
         if stored.manifest_error is not None:
             where = self.path_of(ino)
             log.warning("close %s: refused manifest: %s", where, stored.manifest_error)
@@ -575,21 +650,6 @@ class Operations(pyfuse3.Operations):
             st.staging = None
             self._notify("inode", ino, False)
             raise FUSEError(errno.EINVAL)
-        uid, gid = st.writer_uid, st.writer_gid
-        pages = stored.manifest.pages if stored.manifest is not None else None
-
-        def fn(conn):
-            ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
-                           stg.mtime_ns)
-            created = []
-            if pages is not None:
-                ns.record_manifest(conn, ino, pages)
-                for parent, name in ns.names_of(conn, ino):
-                    if name == MANIFEST:
-                        created += ns.fork_pages(conn, parent, pages, uid, gid)
-            return created
-
-        created = await self.db.write(fn)
         st.blocks = stored.blocks
         stg.dirty = False
         self._announce(created)
@@ -628,6 +688,7 @@ class Operations(pyfuse3.Operations):
         if fh in self.virtual.handles:
             return
         await self.flush(fh)
+        await self.content.sync_pending()
         await self.db.sync_wal()
 
     @handler
@@ -674,6 +735,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def fsyncdir(self, fh, datasync):
+        await self.content.sync_pending()
         await self.db.sync_wal()
 
     @handler

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -158,7 +159,8 @@ class LocalBlobStore:
         """The raw bytes of *digest*, verified (IntegrityError otherwise)."""
         frame = self.get_frame(digest)
         try:
-            raw = codec_mod.decode(frame, self.max_raw)
+            # The sha256 check below is stronger than the frame's crc32.
+            raw = codec_mod.decode(frame, self.max_raw, check_crc=not verify)
         except CodecError as e:
             raise CorruptBlob(digest, str(e)) from None
         if verify and digest_of(raw) != digest:
@@ -200,20 +202,28 @@ class LocalBlobStore:
 
 
 class PutBatch:
-    """Puts whose fsyncs are done together by :meth:`sync` (one per file and dir)."""
+    """Puts whose fsyncs are done together by :meth:`sync` (one per file and dir).
+
+    Thread-safe: puts from several threads may add to one batch while another
+    thread syncs it; a sync covers every put that returned before it began.
+    """
 
     def __init__(self):
         self._files: set[Path] = set()
+        self._lock = threading.Lock()
 
     def _add(self, path: Path) -> None:
-        self._files.add(path)
+        with self._lock:
+            self._files.add(path)
 
     def __len__(self) -> int:
         return len(self._files)
 
     def sync(self) -> None:
+        with self._lock:
+            files, self._files = self._files, set()
         dirs = set()
-        for p in self._files:
+        for p in files:
             try:
                 fd = os.open(p, os.O_RDONLY)
             except FileNotFoundError:
@@ -227,4 +237,3 @@ class PutBatch:
             dirs.add(p.parent)
         for d in dirs:
             _fsync_dir(d)
-        self._files.clear()
