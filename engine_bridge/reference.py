@@ -299,34 +299,32 @@ class ReferenceEngine:
             starts.append(start)
         self._reserve_blocks(seqs)
 
+        P, dev = self.block_size, self.device
         toks = torch.tensor([t for s, a in zip(seqs, starts) for t in s.tokens[a:]],
-                            dtype=torch.long, device=self.device)
-        pos = torch.tensor([p for s, a in zip(seqs, starts) for p in range(a, len(s.tokens))],
-                           dtype=torch.long, device=self.device)
-        spans, r = [], 0
-        for s, a in zip(seqs, starts):
-            spans.append((r, r + len(s.tokens) - a))
-            r += len(s.tokens) - a
-        # KV is written only for positions not yet cached (a restored last token keeps its KV).
-        write_rows, write_pos, write_seq = [], [], []
-        for k, (s, a) in enumerate(zip(seqs, starts)):
-            for i, p in enumerate(range(a, len(s.tokens))):
-                if p >= s.n_cached:
-                    write_rows.append(spans[k][0] + i)
-                    write_pos.append(p)
-                    write_seq.append(k)
-        P = self.block_size
-        rows_t = torch.tensor(write_rows, dtype=torch.long, device=self.device)
-        blk_t = torch.tensor([seqs[k].blocks[p // P] for k, p in zip(write_seq, write_pos)],
-                             dtype=torch.long, device=self.device)
-        slot_t = torch.tensor([p % P for p in write_pos], dtype=torch.long, device=self.device)
-        tables = [torch.tensor(s.blocks[:-(-len(s.tokens) // P)], dtype=torch.long,
-                               device=self.device) for s in seqs]
+                            dtype=torch.long, device=dev)
+        tables = [torch.tensor(s.blocks[:-(-len(s.tokens) // P)], dtype=torch.long, device=dev)
+                  for s in seqs]
         lengths = [len(s.tokens) for s in seqs]
+        spans, pos, w_rows, w_pos, w_blk = [], [], [], [], []
+        r = 0
+        for s, a, table, n in zip(seqs, starts, tables, lengths):
+            spans.append((r, r + n - a))
+            p = torch.arange(a, n, device=dev)
+            pos.append(p)
+            # KV is written only for positions not yet cached (a restored last token keeps its KV).
+            w = p[p >= s.n_cached]
+            w_rows.append(w - a + r)
+            w_pos.append(w)
+            w_blk.append(table[w // P])
+            r += n - a
+        pos_t = torch.cat(pos)
+        rows_t, blk_t = torch.cat(w_rows), torch.cat(w_blk)
+        slot_t = torch.cat(w_pos) % P
+        writes = rows_t.numel() > 0
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv = self._kv[layer]
-            if len(write_rows):
+            if writes:
                 kv[0].index_put_((blk_t, slot_t), k.index_select(0, rows_t))
                 kv[1].index_put_((blk_t, slot_t), v.index_select(0, rows_t))
             out = torch.empty_like(q)
@@ -336,8 +334,8 @@ class ReferenceEngine:
                 out[a:b] = _attention(q[a:b], keys, vals, n - (b - a))
             return out
 
-        x = self._forward(toks, pos, attend)
-        last = torch.tensor([b - 1 for _, b in spans], dtype=torch.long, device=self.device)
+        x = self._forward(toks, pos_t, attend)
+        last = torch.tensor([b - 1 for _, b in spans], dtype=torch.long, device=dev)
         logits = self._logits(x.index_select(0, last))
         chosen = logits.argmax(dim=-1).tolist()
         out = {}

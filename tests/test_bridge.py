@@ -484,3 +484,26 @@ def test_staging_is_bounded_whatever_the_session_size(tmp_path):
     assert_restore_is_bit_exact(e1, last, e2, steps=10)
     with pytest.raises(ValueError, match="fewer than two pages"):
         Staging("cpu", page, 2 * page - 1)
+
+
+def test_sink_without_concurrency_gets_pages_in_order_from_one_thread():
+    import threading
+
+    class Recording(MemorySession):
+        concurrent = False
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write_page(self, ix, data):
+            self.calls.append((ix, threading.get_ident()))
+            return super().write_page(ix, data)
+
+    pool = random_pool("bf16", "flashinfer NHD", num_blocks=40)
+    sink = Recording()
+    seq = SeqBlocks("x", list(range(39, -1, -1)), 40 * 4 - 1)
+    m = Bridge(pool, staging_bytes=6 * pool.page_bytes).page_out([seq], sink)
+    assert [ix for ix, _ in sink.calls] == list(range(40))
+    assert len({t for _, t in sink.calls}) == 1
+    assert [sink.digests[i] for i in range(40)] == m.pages
