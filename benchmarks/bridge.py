@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine_bridge import Bridge, KVPool, MemorySession, RefCountingAllocator, SeqBlocks  # noqa: E402
 from engine_bridge.reference import ModelConfig, ReferenceEngine  # noqa: E402
+from engine_bridge.sessions import DIGEST_XATTR  # noqa: E402
 from pffs import codec  # noqa: E402
+from pffs.manifest import page_name  # noqa: E402
 
 KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"
 GEOM = dict(block_size=16, n_layers=32, n_heads=8, head_dim=128)
@@ -118,20 +120,32 @@ def main() -> int:
                             staging_bytes=args.staging_mib << 20)
             mode = ("held in staging" if num_blocks <= bridge.staging.capacity
                     else "larger than staging: verified, then streamed")
-            outs, ins = [], []
+            outs, ins, ins_x = [], [], []
             for r in range(args.repeat):
                 dest, src = SINKS[sink_name](base, f"{sink_name}-{r}")
                 t0 = time.perf_counter()
-                bridge.page_out([seq], dest)
+                m = bridge.page_out([seq], dest)
                 outs.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 res = bridge.page_in(src)
                 ins.append(time.perf_counter() - t0)
                 bridge.allocator.free(res.blocks)
                 if isinstance(src, Path):
+                    if sink_name == "dir" and mode.startswith("larger"):
+                        # What a pffs mount offers: each page file's digest as an xattr,
+                        # so the first pass of a large page-in reads nothing.
+                        for ix, d in enumerate(m.pages):
+                            os.setxattr(src / "pages" / page_name(ix), DIGEST_XATTR, d.encode())
+                        t0 = time.perf_counter()
+                        res = bridge.page_in(src)
+                        ins_x.append(time.perf_counter() - t0)
+                        bridge.allocator.free(res.blocks)
                     shutil.rmtree(src)
             rows.append((f"page-out -> {sink_name} (gather, sha256, write)", mbps(total, min(outs))))
             rows.append((f"page-in  <- {sink_name} (read, sha256, scatter; {mode})", mbps(total, min(ins))))
+            if ins_x:
+                rows.append((f"page-in  <- {sink_name} with {DIGEST_XATTR} xattrs (pages read once)",
+                             mbps(total, min(ins_x))))
             t_in_8b = min(ins)
 
         t = best_of(lambda: [x.clone() for x in pool.layers], args.repeat)
