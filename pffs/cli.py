@@ -125,6 +125,27 @@ def cmd_seal(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from pathlib import Path
+    from . import daemon, tools
+    try:
+        from engine_bridge import demo
+    except ImportError as e:
+        raise PffsError(f"the demo runs an engine and needs torch ({e}); pip install pffs[engine]") from None
+    mnt = Path(args.mountpoint) if args.mountpoint else demo.default_mountpoint()
+    if tools.pffs_root(mnt) == mnt.absolute():
+        print(f"using the pffs mounted on {mnt}")
+    else:
+        mnt.mkdir(parents=True, exist_ok=True)
+        daemon.spawn(args.store, str(mnt), [])
+        from .storedir import StoreDir
+        print(f"mounted store {StoreDir(args.store).root} on {mnt}")
+    ok = demo.run(mnt, dtype=args.dtype, n_decode=args.tokens)
+    print(f"\nthe mount stays up: try ls -l {mnt}/demo/a/pages, cat {mnt}/demo/a/manifest.json;"
+          f" pffs umount {mnt} when done")
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pffs", description=__doc__ and
                                 "KV caches as files: mount, inspect, fork and back up LLM KV caches.")
@@ -151,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("seal", help="rewrite a session's manifest.json from its page files")
     s.add_argument("session")
     s.set_defaults(func=cmd_seal)
+
+    s = sub.add_parser("demo", help="save, fork and restore a KV cache of the reference engine")
+    s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
+    s.add_argument("--mountpoint", help="where to mount (default $PFFS_MOUNT, /mnt/kvcache as root,"
+                   " else ~/kvcache); an existing pffs mount there is used")
+    s.add_argument("--dtype", choices=["f32", "bf16"], default="bf16")
+    s.add_argument("--tokens", type=int, default=40, help="tokens to decode before and after")
+    s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("stats", help="store figures: sessions, bytes, dedup and compression ratios")
     s.add_argument("mountpoint", nargs="?", help="a mounted pffs (else --store)")
