@@ -11,12 +11,50 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import queue
 import threading
 from typing import Any, Callable
 
+import outcome
 import trio
 
 from .. import namespace
+
+
+class WorkerThread:
+    """One long-lived thread running calls in order; cheaper than a thread-pool hop.
+
+    The caller's task sleeps until the thread hands the outcome back through
+    the trio token.  A call cannot be cancelled once queued (it runs to the
+    end, like a namespace transaction must).
+    """
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            fn, args, token, task = job
+            result = outcome.capture(fn, *args)
+            try:
+                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+            except trio.RunFinishedError:
+                pass
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._q.put((fn, args, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()))
+        result = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        return result
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(10)
 
 
 class Database:
@@ -32,10 +70,11 @@ class Database:
         # Held by whichever worker thread uses ``rw``: the writer thread, or a
         # content thread committing the file it has just stored (saves a hop).
         self.rw_lock = threading.Lock()
+        self.writer = WorkerThread("pffs-db-writer")
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(rw_conn, *args)`` in one transaction in the writer thread."""
-        return await trio.to_thread.run_sync(self._run, fn, args, limiter=self.limiter)
+        return await self.writer.call(self._run, fn, args)
 
     def _run(self, fn, args):
         with self.rw_lock, namespace.transaction(self.rw):
@@ -68,6 +107,7 @@ class Database:
         await trio.to_thread.run_sync(self.sync_wal_sync, limiter=self.limiter)
 
     def close(self) -> None:
+        self.writer.stop()
         try:
             self.rw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error:
