@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ class MountOptions:
     snapshot_interval: float = 300.0
     snapshots_kept: int = 3
     sync: str = "batch"   # "batch": grouped blob fsyncs every SYNC_INTERVAL; "close": at every close
+    reserve: int = 16 << 20  # disk space held back so deletions commit on a full disk (pffs.reserve)
 
 
 def parse_size(text: str) -> int:
@@ -82,6 +84,8 @@ def parse_options(opts: list[str]) -> MountOptions:
                 o.sync = val
             elif key == "snapshot_interval":
                 o.snapshot_interval = float(val)
+            elif key == "reserve":
+                o.reserve = parse_size(val)
             else:
                 raise PffsError(f"unknown mount option {key!r}")
     return o
@@ -136,6 +140,7 @@ class Daemon:
         from .fs.db import Database
         from .fs.operations import Operations
         from .fs.virtual import VirtualTree
+        from .reserve import SpaceReserve
 
         st = self.store
         st.create()
@@ -154,9 +159,16 @@ class Daemon:
         for p in st.blobs.temp_files():
             p.unlink()
         self.db = Database(st.db_path)
+        self.reserve = SpaceReserve(st.reserve_path, self.opts.reserve)
+        self.reserve.ensure()
+        if self.opts.reserve > 0:
+            st.blobs.reserve = self.reserve
+            self.db.on_full = self.reserve.release
         content = ContentStore(st.blobs, st.staging_dir, max_size=self.opts.max_size,
                                sync_on_close=self.opts.sync == "close")
         content.stored_bytes = stored
+        content.gc_lock = st.gc_lock
+        content.recount = self.recount
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
         self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
@@ -199,16 +211,31 @@ class Daemon:
             await trio.sleep(CHECKPOINT_INTERVAL)
             # Blobs first: the checkpoint makes namespace rows durable.
             await self.ops.content.sync_pending()
-            await self.db.checkpoint()
+            try:
+                await self.db.checkpoint()
+                # gc frees blobs behind the daemon's back; a full disk may have
+                # room again for the reserve.
+                self.ops.content.stored_bytes = await trio.to_thread.run_sync(self.recount)
+                await trio.to_thread.run_sync(self.reserve.ensure)
+            except (OSError, sqlite3.Error) as e:
+                log.warning("periodic checkpoint: %s", e)
             if time.monotonic() - last_snapshot >= self.opts.snapshot_interval:
                 last_snapshot = time.monotonic()
                 await trio.to_thread.run_sync(self.snapshot, limiter=self.db.limiter)
+
+    def recount(self) -> int:
+        """Stored bytes of every indexed blob (from a worker thread)."""
+        with self.db.rw_lock:
+            return self.db.rw.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
 
     def snapshot(self) -> None:
         """Copy the namespace database into snapshots/ (a few kept)."""
         from .snapshots import take_snapshot
         try:
-            take_snapshot(self.db.rw, self.store.snapshot_dir, self.opts.snapshots_kept)
+            with self.db.rw_lock:
+                take_snapshot(self.db.rw, self.store.snapshot_dir, self.opts.snapshots_kept)
+        except (OSError, sqlite3.Error) as e:
+            log.warning("namespace snapshot failed: %s", e)
         except Exception:
             log.exception("namespace snapshot failed")
 

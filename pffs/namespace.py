@@ -127,6 +127,10 @@ class SchemaError(PffsError):
     pass
 
 
+class DamagedDatabase(SchemaError):
+    """The namespace database cannot be read at all (``pffs check --repair`` restores a snapshot)."""
+
+
 def now_ns() -> int:
     return time.time_ns()
 
@@ -190,10 +194,23 @@ class transaction:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            self.conn.execute("COMMIT")
-        else:
+            try:
+                self.conn.execute("COMMIT")
+            except sqlite3.Error:
+                # A failed COMMIT (disk full, I/O error) may leave the
+                # transaction open; never let the next one nest in it.
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+        elif self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
         return False
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether a SQLite error means the disk (or quota) is full."""
+    return isinstance(e, sqlite3.OperationalError) and (
+        getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e))
 
 
 def schema_version(conn: sqlite3.Connection) -> int:
@@ -212,14 +229,19 @@ def open_db(store_root: str | os.PathLike, *, create_missing: bool = True,
         raise SchemaError(f"{path}: no namespace database (not a pffs store?)")
     if not exists and readonly:
         raise SchemaError(f"{path}: no namespace database")
-    conn = connect(path, readonly=readonly)
-    if not exists:
-        create(conn)
     try:
-        v = schema_version(conn)
+        conn = connect(path, readonly=readonly)
     except sqlite3.DatabaseError as e:
+        raise DamagedDatabase(f"{path}: not a readable namespace database ({e});"
+                              " pffs check --repair restores the newest snapshot") from None
+    try:
+        if not exists:
+            create(conn)
+        v = schema_version(conn)
+    except (sqlite3.DatabaseError, SchemaError) as e:
         conn.close()
-        raise SchemaError(f"{path}: not a readable namespace database ({e})") from None
+        raise DamagedDatabase(f"{path}: not a readable namespace database ({e});"
+                              " pffs check --repair restores the newest snapshot") from None
     if v > SCHEMA_VERSION:
         conn.close()
         raise SchemaError(f"{path}: schema version {v} is newer than this pffs ({SCHEMA_VERSION});"
@@ -576,10 +598,11 @@ def blocks_of(conn: sqlite3.Connection, ino: int) -> list[str]:
 def known_blobs(conn: sqlite3.Connection, digests: Iterable[str]) -> dict[str, int]:
     """raw_size of each of *digests* that the store holds."""
     out = {}
-    for d in set(digests):
-        row = conn.execute("SELECT raw_size FROM blobs WHERE digest=?", (d,)).fetchone()
-        if row:
-            out[d] = row[0]
+    uniq = list(set(digests))
+    for k in range(0, len(uniq), 500):
+        chunk = uniq[k:k + 500]
+        out.update(conn.execute(f"SELECT digest, raw_size FROM blobs WHERE digest IN"
+                                f" ({','.join('?' * len(chunk))})", chunk))
     return out
 
 
@@ -601,35 +624,39 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, pages: list[str], uid
 
     Only when ``pages/`` exists (pffs never creates it) and only for pages
     whose blob is stored. Returns (pages dir inode, name, new inode) triples.
+    Set-based (a few statements whatever the page count), so forking a
+    session of thousands of pages takes milliseconds.
     """
     from .manifest import PAGES_DIR, page_name
     pdir = lookup(conn, session_dir, PAGES_DIR.encode())
     if pdir is None or not get_inode(conn, pdir).is_dir:
         return []
     have = known_blobs(conn, pages)
-    t = now_ns()
-    created = []
+    existing = {name for (name,) in conn.execute("SELECT name FROM dentries WHERE parent=?", (pdir,))}
+    todo = []
     for ix, d in enumerate(pages):
-        if d not in have:
-            continue
+        size = have.get(d)
+        if size is None or size > BLOCK_SIZE:
+            continue  # not stored (the session stays incomplete), or never a page
         name = page_name(ix).encode()
-        if lookup(conn, pdir, name) is not None:
-            continue
-        size = have[d]
-        n = BLOCK_SIZE
-        if size > n:
-            continue  # multi-block blobs cannot be a page file; never listed by pffs
-        cur = conn.execute(
-            "INSERT INTO inodes (mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest)"
-            " VALUES (?,?,?,?,?,?,?,1,0,?)", (stat.S_IFREG | mode, uid, gid, size, t, t, t, d))
-        ino = cur.lastrowid
-        if size:
-            conn.execute("INSERT INTO blocks (inode, blockno, blob) VALUES (?,0,?)", (ino, d))
-        conn.execute("INSERT INTO dentries (parent, name, inode) VALUES (?,?,?)", (pdir, name, ino))
-        created.append((pdir, name, ino))
-    if created:
-        touch_dir(conn, pdir, t)
-    return created
+        if name not in existing:
+            todo.append((name, d, size))
+    if not todo:
+        return []
+    t = now_ns()
+    # This runs inside the writer's transaction: nobody else allocates ids meanwhile.
+    first = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM inodes").fetchone()[0]
+    ids = range(first, first + len(todo))
+    conn.executemany(
+        "INSERT INTO inodes (id, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest)"
+        " VALUES (?,?,?,?,?,?,?,?,1,0,?)",
+        [(i, stat.S_IFREG | mode, uid, gid, size, t, t, t, d) for i, (_, d, size) in zip(ids, todo)])
+    conn.executemany("INSERT INTO blocks (inode, blockno, blob) VALUES (?,0,?)",
+                     [(i, d) for i, (_, d, size) in zip(ids, todo) if size])
+    conn.executemany("INSERT INTO dentries (parent, name, inode) VALUES (?,?,?)",
+                     [(pdir, name, i) for i, (name, _, _) in zip(ids, todo)])
+    touch_dir(conn, pdir, t)
+    return [(pdir, name, i) for i, (name, _, _) in zip(ids, todo)]
 
 
 def cleanup_orphans(conn: sqlite3.Connection) -> int:

@@ -7,16 +7,21 @@ Layout (``--store DIR``, else ``$PFFS_STORE``, else ``~/.local/share/pffs``)::
     DIR/snapshots/               copies of namespace.db (newest last)
     DIR/staging/                 spill files of open files being written
     DIR/pffs.log                 daemon log
-    DIR/lock                     flock held by the daemon (and by check/repair)
+    DIR/lock                     flock held by the daemon (and by check/repair, offline gc)
+    DIR/gc.lock, DIR/gc.intent   flocks that order gc against writers reusing blobs
+    DIR/reserve                  space kept back for deletions on a full disk (pffs.reserve)
+    DIR/damaged/                 corrupt blobs set aside by ``pffs check --repair``
     DIR/engine.sock              live-engine socket while mounted
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 from pathlib import Path
+from typing import Iterator
 
 from .errors import PffsError
 from .store.local import LocalBlobStore
@@ -26,6 +31,10 @@ LOG_NAME = "pffs.log"
 STAGING_DIR = "staging"
 SNAPSHOT_DIR = "snapshots"
 SOCKET_NAME = "engine.sock"
+GC_LOCK_NAME = "gc.lock"
+GC_INTENT_NAME = "gc.intent"
+RESERVE_NAME = "reserve"
+DAMAGED_DIR = "damaged"
 
 
 class StoreBusy(PffsError):
@@ -67,6 +76,18 @@ class StoreDir:
     @property
     def socket_path(self) -> Path:
         return self.root / SOCKET_NAME
+
+    @property
+    def reserve_path(self) -> Path:
+        return self.root / RESERVE_NAME
+
+    @property
+    def damaged_dir(self) -> Path:
+        return self.root / DAMAGED_DIR
+
+    @property
+    def gc_lock(self) -> "GcLock":
+        return GcLock(self.root)
 
     def exists(self) -> bool:
         return self.db_path.exists()
@@ -111,3 +132,52 @@ class StoreDir:
         finally:
             os.close(fd)
         return None
+
+
+class GcLock:
+    """Orders gc's sweep against writers that find a blob stored and name it.
+
+    A writer holds the lock shared from "is this blob stored?" until the
+    commit that names it; gc holds it exclusively while it re-checks and
+    deletes.  So gc never removes a blob between a writer's existence check
+    and its commit, and a writer never reuses a blob that gc is removing.
+    ``gc.intent`` gives gc priority: writers pass through it shared before
+    taking the lock, so a stream of overlapping writers cannot starve gc.
+
+    Each section opens its own descriptors (flock belongs to an open file
+    description, so threads of one process must not share one).
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def _open(self, name: str) -> int:
+        return os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        intent = self._open(GC_INTENT_NAME)
+        try:
+            fcntl.flock(intent, fcntl.LOCK_SH)
+        finally:
+            os.close(intent)
+        fd = self._open(GC_LOCK_NAME)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        intent = self._open(GC_INTENT_NAME)
+        try:
+            fcntl.flock(intent, fcntl.LOCK_EX)
+            fd = self._open(GC_LOCK_NAME)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+        finally:
+            os.close(intent)

@@ -9,6 +9,7 @@ fsync that makes the namespace rows naming them durable against power loss.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ class ContentStore:
         # syncer (or a user's fsync) makes them durable in groups.
         self.sync_on_close = sync_on_close
         self.pending = PutBatch()
+        # Set by the daemon: the store's gc lock, held shared from a blob's
+        # existence check to the commit naming it (see pffs.gc), and a
+        # recount of stored bytes from the namespace (gc frees behind our back).
+        self.gc_lock = None
+        self.recount = None
 
     async def sync_pending(self) -> None:
         """Make every blob written so far durable (grouped fsyncs)."""
@@ -65,10 +71,19 @@ class ContentStore:
                                              limiter=self.limiter)
 
     def _store_then(self, stg: Staging, parse_manifest: bool, then):
-        stored = self._store_sync(stg, parse_manifest)
-        if then is None or stored.manifest_error is not None:
-            return stored, None
-        return stored, then(stored)
+        with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
+            stored = self._store_sync(stg, parse_manifest)
+            if then is None or stored.manifest_error is not None:
+                return stored, None
+            return stored, then(stored)
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether *nbytes* more stay within max_size (recounted before saying no)."""
+        if self.stored_bytes + nbytes <= self.max_size:
+            return True
+        if self.recount is not None:
+            self.stored_bytes = self.recount()
+        return self.stored_bytes + nbytes <= self.max_size
 
     def _store_sync(self, stg: Staging, parse_manifest: bool) -> StoredContent:
         size = stg.size
@@ -92,7 +107,7 @@ class ContentStore:
             if whole is not None:
                 whole.update(data)
             if self.max_size is not None and not self.blobs.contains(d) \
-                    and self.stored_bytes + len(data) > self.max_size:
+                    and not self._room_for(len(data)):
                 raise StoreFull(f"store limit of {self.max_size} bytes reached")
             r = self.blobs.put(data, d, batch=batch)
             if not r.existed:

@@ -19,6 +19,7 @@ import outcome
 import trio
 
 from .. import namespace
+from ..errors import StoreFull
 
 
 class WorkerThread:
@@ -71,14 +72,32 @@ class Database:
         # content thread committing the file it has just stored (saves a hop).
         self.rw_lock = threading.Lock()
         self.writer = WorkerThread("pffs-db-writer")
+        # Called when a commit finds the disk full; True if it made room.
+        self.on_full: Callable[[], bool] | None = None
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(rw_conn, *args)`` in one transaction in the writer thread."""
         return await self.writer.call(self._run, fn, args)
 
     def _run(self, fn, args):
-        with self.rw_lock, namespace.transaction(self.rw):
-            return fn(self.rw, *args)
+        with self.rw_lock:
+            try:
+                with namespace.transaction(self.rw):
+                    return fn(self.rw, *args)
+            except sqlite3.OperationalError as e:
+                # Disk full: give up the store's reserve (pffs.reserve) and
+                # try once more, so that deletions commit on a full disk.
+                if not namespace.is_disk_full(e):
+                    raise
+                if self.on_full is None or not self.on_full():
+                    raise StoreFull(f"namespace commit: {e}") from None
+            try:
+                with namespace.transaction(self.rw):
+                    return fn(self.rw, *args)
+            except sqlite3.OperationalError as e:
+                if namespace.is_disk_full(e):
+                    raise StoreFull(f"namespace commit: {e}") from None
+                raise
 
     def run_in_transaction(self, fn: Callable[..., Any], *args: Any) -> Any:
         """From a worker thread: ``fn(rw_conn, *args)`` in one transaction."""

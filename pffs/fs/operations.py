@@ -61,6 +61,8 @@ def handler(fn):
         except FUSEError:
             raise
         except FsError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                log.info("%s: %s refused (limit %d)", name, e, ns.NAME_MAX)
             raise FUSEError(e.errno) from None
         except StoreFull as e:
             log.warning("%s: %s", name, e)
@@ -208,6 +210,8 @@ class Operations(pyfuse3.Operations):
         if v is not None:
             return v
         if len(name) > ns.NAME_MAX:
+            log.info("lookup in %s: name of %d bytes refused (limit %d)", self.path_of(parent_inode),
+                     len(name), ns.NAME_MAX)
             raise FUSEError(errno.ENAMETOOLONG)
         if name == b".":
             ino = parent_inode
@@ -342,6 +346,8 @@ class Operations(pyfuse3.Operations):
                 or self.virtual.reserved(parent_inode_new, name_new)):
             raise FUSEError(errno.EPERM)
         if len(name_new) > ns.NAME_MAX:
+            log.info("rename into %s: name of %d bytes refused (limit %d)",
+                     self.path_of(parent_inode_new), len(name_new), ns.NAME_MAX)
             raise FUSEError(errno.ENAMETOOLONG)
         checked = None
         if name_new == MANIFEST:
@@ -419,11 +425,12 @@ class Operations(pyfuse3.Operations):
         return ns.fork_pages(conn, parent, pages, uid, gid)
 
     def _announce(self, created) -> None:
-        """Tell the kernel about page files that appeared by themselves (forks)."""
-        dirs = set()
-        for pdir, name, _ino in created:
-            self._notify("entry", pdir, name)
-            dirs.add(pdir)
+        """Tell the kernel about page files that appeared by themselves (forks).
+
+        The kernel never caches a negative entry from an ENOENT reply (it
+        revalidates it), so only the directories' attributes need invalidating.
+        """
+        dirs = {pdir for pdir, _name, _ino in created}
         for d in dirs:
             self._notify("inode", d, True)
         if created:
@@ -666,6 +673,8 @@ class Operations(pyfuse3.Operations):
                     except FUSEError as e:
                         log.warning("release %s: staged changes dropped (%s)", self.path_of(ino),
                                     os.strerror(e.errno))
+                    except StoreFull as e:
+                        log.warning("release %s: staged changes dropped (%s)", self.path_of(ino), e)
             if st.opens > 0:
                 return
             if st.staging is not None:
@@ -823,4 +832,6 @@ class Operations(pyfuse3.Operations):
                     except FUSEError as e:
                         log.warning("unmount: %s: staged changes dropped (%s)", self.path_of(ino),
                                     os.strerror(e.errno))
+                    except StoreFull as e:
+                        log.warning("unmount: %s: staged changes dropped (%s)", self.path_of(ino), e)
 

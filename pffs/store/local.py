@@ -56,6 +56,9 @@ class LocalBlobStore:
         self.blob_root = self.root / BLOB_DIR
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
+        # Set by a mounted daemon: space kept back so deletions can commit
+        # on a full disk (see pffs.reserve); puts refuse to eat into it.
+        self.reserve = None
 
     def create_dirs(self) -> None:
         """Create the 256 fan-out directories once, so puts never mkdir."""
@@ -99,16 +102,15 @@ class LocalBlobStore:
             digest = digest_of(data)
         path = self.path(digest)
         raw_size = memoryview(data).nbytes
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            pass
-        else:
+        size = self._reuse(path, raw_size)
+        if size is not None:
             if batch is not None:
                 batch._add(path)
-            return PutResult(digest, raw_size, st.st_size, "", True)
+            return PutResult(digest, raw_size, size, "", True)
         frame = codec_mod.encode(data, codec or self.codec)
         codec_name = codec_mod.read_header(frame).codec.name
+        if self.reserve is not None:
+            self.reserve.before_put(len(frame))
         tmp = path.parent / f"{_TMP_PREFIX}{path.name[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -134,6 +136,35 @@ class LocalBlobStore:
         else:
             batch._add(path)
         return PutResult(digest, raw_size, len(frame), codec_name, False)
+
+    def _reuse(self, path: Path, raw_size: int) -> int | None:
+        """Stored size of an existing blob fit for a dedup hit, else None (write it anew).
+
+        A hit refreshes the blob's mtime, so gc's grace period counts from the
+        last time a writer relied on it.  The header must promise the right
+        length: a truncated or planted frame is replaced rather than reused.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            head = os.pread(fd, codec_mod.HEADER_SIZE, 0)
+            size = os.fstat(fd).st_size
+            try:
+                os.utime(fd)
+            except OSError:
+                pass  # a read-only store still dedups; gc then counts from the write
+        finally:
+            os.close(fd)
+        try:
+            hdr = codec_mod.read_header(head)
+        except CodecError:
+            return None
+        if hdr.raw_len != raw_size or (hdr.codec.id == codec_mod.CODEC_RAW
+                                       and size != codec_mod.HEADER_SIZE + raw_size):
+            return None
+        return size
 
     def batch(self) -> "PutBatch":
         return PutBatch()
@@ -219,17 +250,25 @@ class PutBatch:
     def __len__(self) -> int:
         return len(self._files)
 
-    def sync(self) -> None:
+    def sync(self) -> list[Digest]:
+        """fsync every blob put so far and its directory; returns the digests found missing.
+
+        A blob can only go missing between put and sync if gc removed it, and
+        gc removes only blobs that no committed row names and that no writer
+        holds under the gc lock.  So a caller that syncs *after* its commit
+        (the daemon's syncer) ignores them, and one that syncs *before* its
+        commit must not commit rows naming them.
+        """
         with self._lock:
             files, self._files = self._files, set()
         dirs = set()
+        missing = []
         for p in files:
             try:
                 fd = os.open(p, os.O_RDONLY)
             except FileNotFoundError:
-                # Deleted by gc between put and sync: the caller's namespace
-                # commit must not name it, so report it as missing.
-                raise MissingBlob(Digest("sha256:" + p.name), "deleted before it was synced")
+                missing.append(Digest("sha256:" + p.name))
+                continue
             try:
                 os.fsync(fd)
             finally:
@@ -237,3 +276,4 @@ class PutBatch:
             dirs.add(p.parent)
         for d in dirs:
             _fsync_dir(d)
+        return missing
