@@ -89,6 +89,7 @@ class InodeState:
     opens: int = 0
     staging: Staging | None = None
     blocks: list[str] | None = None     # committed blob digests, by block number
+    size: int = 0                       # committed size (valid while blocks is not None)
     writer_uid: int = 0
     writer_gid: int = 0
 
@@ -454,9 +455,7 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         if self.virtual.owns(inode):
             return self.virtual.open(inode, flags)
-        node = ns.get_inode(self.db.ro, inode)
-        if node.is_dir:
-            raise FUSEError(errno.EISDIR)
+        # (The kernel sends opendir, never open, for a directory.)
         fh = self._open_handle(inode, flags, ctx)
         if self.nursery is not None and (flags & os.O_ACCMODE) != os.O_WRONLY:
             self._prefetch_after(inode)
@@ -554,16 +553,17 @@ class Operations(pyfuse3.Operations):
                     if st.staging.in_memory:
                         return st.staging.read(off, size)
                     return await trio.to_thread.run_sync(st.staging.read, off, size)
-        node = ns.get_inode(self.db.ro, of.ino)
-        end = min(off + size, node.size)
-        if off >= end:
-            return b""
         if st is None or st.blocks is None:
+            # Committed size and blocks, kept until the next commit of this inode.
+            size_now = self.db.ro.execute("SELECT size FROM inodes WHERE id=?", (of.ino,)).fetchone()[0]
             blocks = ns.blocks_of(self.db.ro, of.ino)
             if st is not None:
-                st.blocks = blocks
+                st.blocks, st.size = blocks, size_now
         else:
-            blocks = st.blocks
+            blocks, size_now = st.blocks, st.size
+        end = min(off + size, size_now)
+        if off >= end:
+            return b""
         out = []
         for bn in range(off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
             data = await self._blob(blocks[bn], of.ino)
@@ -657,7 +657,7 @@ class Operations(pyfuse3.Operations):
             st.staging = None
             self._notify("inode", ino, False)
             raise FUSEError(errno.EINVAL)
-        st.blocks = stored.blocks
+        st.blocks, st.size = stored.blocks, stored.size
         stg.dirty = False
         self._announce(created)
 
