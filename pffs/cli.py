@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import sys
 
 from . import __version__
@@ -72,28 +73,28 @@ def cmd_stats(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from . import fsck, namespace
-    st = _store(args)
-    if not st.exists():
-        raise PffsError(f"{st.root}: no pffs store here")
-    st.lock("pffs check")
-    try:
-        conn = namespace.open_db(st.root, create_missing=False)
-        try:
-            report = fsck.check(conn, st.blobs, read_data=args.read_data,
-                                progress=Progress("checking blobs"))
-        finally:
-            conn.close()
-    finally:
-        st.unlock()
-    for line in report.notes:
-        print(f"note: {line}")
-    for line in report.damage:
-        print(f"DAMAGE: {line}")
-    c = report.counts
-    print(f"{c.get('sessions', 0)} sessions, {c.get('blobs_on_disk', 0)} blobs"
-          f"{' read and verified' if args.read_data else ''}, {len(report.damage)} damaged")
-    return 0 if report.clean else 1
+    from . import fsck
+    return fsck.run(_store(args), read_data=args.read_data, repair=args.repair,
+                    progress=Progress("checking blobs"))
+
+
+def cmd_gc(args) -> int:
+    from . import gc
+    r = gc.collect(_store(args), grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
+                   progress=Progress("sweeping"))
+    print(f"gc: {r.summary()}")
+    return 0
+
+
+def cmd_prune(args) -> int:
+    from . import gc, prune
+    from .storedir import StoreDir
+    older = gc.parse_duration(args.older_than) if args.older_than is not None else None
+    _, store = prune.prune(args.path, keep_last=args.keep_last, older_than=older, dry_run=args.dry_run)
+    r = gc.collect(StoreDir(store), grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
+                   progress=Progress("sweeping"))
+    print(f"gc: {r.summary()}")
+    return 0
 
 
 def cmd_mount(args) -> int:
@@ -190,7 +191,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("check", help="check an unmounted store for damage")
     s.add_argument("--store", help="store directory")
     s.add_argument("--read-data", action="store_true", help="read, decompress and re-hash every blob")
+    s.add_argument("--repair", action="store_true",
+                   help="fix what can be fixed without losing intact data (damaged files go to /lost+found)")
     s.set_defaults(func=cmd_check)
+
+    s = sub.add_parser("gc", help="remove blobs no file holds and no manifest lists (mounted or not)")
+    s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
+    s.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    s.add_argument("--grace", default="10m", metavar="AGE",
+                   help="keep unnamed blobs younger than this (default 10m)")
+    s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("prune", help="remove old sessions under a folder of a mounted pffs, then gc")
+    s.add_argument("path", help="a folder in a mounted pffs holding sessions")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest sessions")
+    g.add_argument("--older-than", metavar="AGE", help="remove sessions older than AGE (90s, 10m, 12h, 7d)")
+    s.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    s.add_argument("--grace", default="10m", metavar="AGE", help="gc's grace period (default 10m)")
+    s.set_defaults(func=cmd_prune)
     return p
 
 
@@ -208,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pffs {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    except sqlite3.Error as e:
+        print(f"pffs {args.cmd}: namespace database: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         print(f"pffs {args.cmd}: {where}{e.strerror or e}", file=sys.stderr)

@@ -277,3 +277,42 @@ def check_session(conn: sqlite3.Connection, dir_ino: int, man_ino: int,
     if extra:
         notes.append(f"session {where}: {len(extra)} page files beyond the manifest's {len(m.pages)}")
     return notes
+
+
+def run(store, *, read_data: bool = False, repair: bool = False,
+        progress: Callable[[int, int], None] | None = None, out=print) -> int:
+    """``pffs check``: lock the unmounted store, check (and repair), print; the exit status."""
+    from . import namespace as ns
+    from .errors import PffsError
+    if not store.exists():
+        raise PffsError(f"{store.root}: no pffs store here")
+    store.lock("pffs check --repair" if repair else "pffs check")
+    try:
+        if repair:
+            from .repair import repair as do_repair
+            result = do_repair(store, read_data=read_data, progress=progress,
+                               say=lambda line: out(f"repaired: {line}"))
+            report = result.report
+            if not result.actions:
+                out("nothing to repair")
+        else:
+            try:
+                conn = ns.open_db(store.root, create_missing=False)
+            except ns.DamagedDatabase as e:
+                out(f"DAMAGE: {e}")
+                return 1
+            try:
+                report = check(conn, store.blobs, read_data=read_data, progress=progress)
+            finally:
+                conn.close()
+    finally:
+        store.unlock()
+    for line in report.notes:
+        out(f"note: {line}")
+    for line in report.damage:
+        out(f"DAMAGE: {line}")
+    c = report.counts
+    verified = " read and verified" if read_data and not repair else ""
+    out(f"{c.get('sessions', 0)} sessions, {c.get('blobs_on_disk', 0)} blobs{verified},"
+        f" {len(report.damage)} damaged{' after repair' if repair else ''}")
+    return 0 if report.clean else 1

@@ -76,20 +76,28 @@ class StoreSessionSink:
             have = self.pages.get(i)
             if have is None or have.digest != want:
                 raise PffsError(f"page {mf.page_name(i)} was not written as the manifest lists it")
-        self.batch.sync()
-        man = self.manifest_bytes
-        man_row = ns.BlobRow(digest_of(man), len(man), 0, "")
-        r = self.store.blobs.put(man, man_row.digest)
-        man_row.stored_size = r.stored_size
-        man_row.codec = r.codec
         self.store.lock("pffs session writer")
         try:
-            conn = ns.open_db(self.store.root)
-            try:
-                with ns.transaction(conn):
-                    self._commit(conn, man_row)
-            finally:
-                conn.close()
+            # gc may have swept pages put longer than its grace period ago:
+            # under the gc lock, make sure every one is still stored.
+            with self.store.gc_lock.shared():
+                missing = self.batch.sync()
+                missing += [Digest(r.digest) for r in self.pages.values()
+                            if not self.store.blobs.contains(Digest(r.digest))]
+                if missing:
+                    raise PffsError(f"page blob {missing[0]} was removed by gc before the session"
+                                    " was committed; write the session again")
+                man = self.manifest_bytes
+                man_row = ns.BlobRow(digest_of(man), len(man), 0, "")
+                r = self.store.blobs.put(man, man_row.digest)
+                man_row.stored_size = r.stored_size
+                man_row.codec = r.codec
+                conn = ns.open_db(self.store.root)
+                try:
+                    with ns.transaction(conn):
+                        self._commit(conn, man_row)
+                finally:
+                    conn.close()
         finally:
             self.store.unlock()
 

@@ -15,16 +15,21 @@ def take_snapshot(conn: sqlite3.Connection, snap_dir: Path, keep: int = 3) -> Pa
     snap_dir.mkdir(exist_ok=True)
     name = f"{PREFIX}{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 1_000_000_000:09d}.db"
     tmp = snap_dir / (".tmp-" + name)
-    dest = sqlite3.connect(tmp)
     try:
-        conn.backup(dest)
-    finally:
-        dest.close()
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        dest = sqlite3.connect(tmp)
+        try:
+            conn.backup(dest)
+        finally:
+            dest.close()
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        # A full disk must not leave half a snapshot taking the room that is left.
+        tmp.unlink(missing_ok=True)
+        raise
     final = snap_dir / name
     os.rename(tmp, final)
     dfd = os.open(snap_dir, os.O_RDONLY | os.O_DIRECTORY)

@@ -169,3 +169,17 @@ def test_kill9_keeps_closed_files(mount_factory, bf16_pages):
     r = m.check_store()
     # The store is in use by the new mount: check refuses it with one clear line.
     assert r.returncode != 0 and "in use" in r.stderr
+
+
+def test_truncate_by_path_while_open_for_reading_is_committed(mount_factory):
+    m = mount_factory()
+    (m / "t").write_bytes(b"x" * 1000)
+    reader = open(m / "t", "rb")
+    os.truncate(m / "t", 10)
+    m.kill9()
+    try:
+        reader.close()
+    except OSError:
+        pass
+    m.start()
+    assert (m / "t").read_bytes() == b"x" * 10

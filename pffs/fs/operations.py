@@ -87,6 +87,7 @@ def handler(fn):
 class InodeState:
     lock: trio.Lock = field(default_factory=trio.Lock)
     opens: int = 0
+    writers: int = 0                    # handles open for writing
     staging: Staging | None = None
     blocks: list[str] | None = None     # committed blob digests, by block number
     size: int = 0                       # committed size (valid while blocks is not None)
@@ -448,6 +449,7 @@ class Operations(pyfuse3.Operations):
         st = self._state(ino)
         st.opens += 1
         if writable:
+            st.writers += 1
             st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
         return fh
 
@@ -613,8 +615,8 @@ class Operations(pyfuse3.Operations):
                 stg = st.staging or await self._load_staging(ino, st)
                 await trio.to_thread.run_sync(stg.truncate, size)
                 stg.mtime_ns = ns.now_ns()
-                if st.opens == 1:
-                    # No open handle will flush this: commit now.
+                if not st.writers:
+                    # No handle open for writing will flush this: commit now.
                     st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
                     await self._commit(ino, st)
         finally:
@@ -710,6 +712,7 @@ class Operations(pyfuse3.Operations):
         if st is None:
             return
         st.opens -= 1
+        st.writers -= of.writable
         await self._drop_state_if_idle(of.ino)
 
     # -- directories ------------------------------------------------------------
