@@ -1,0 +1,345 @@
+"""Store lifecycle on real mounts: gc, prune, check and repair, snapshots, schema versions.
+
+SPEC §3.7–3.8, §4 (gc roots, repair path), §6 (gc, check --repair).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import time
+
+import pytest
+
+from lifecycle_helpers import copy_file, gc, run, stats
+from mountutil import pffs
+from pffs import manifest as mf
+from pffs import namespace as ns
+from pffs.storedir import StoreDir
+from sessions import digest, make_manifest, varied_pages, write_session
+
+
+def cp_session(src, dst) -> None:
+    run("cp", "-r", src, dst)
+
+
+def blob_path(store, data: bytes):
+    return StoreDir(store).blobs.path(digest(data))
+
+
+# -- gc ------------------------------------------------------------------------
+
+def test_gc_frees_exactly_deleted_sessions_and_keeps_listed_pages(mnt, bf16_pages, tmp_path):
+    a, b, d = (varied_pages(bf16_pages, n, salt=s) for n, s in ((8, 1), (6, 2), (5, 3)))
+    for name, pages in (("a", a), ("b", b), ("d", d)):
+        write_session(tmp_path / name, pages, seq_id=name)
+    s0 = stats(mnt.path)
+    cp_session(tmp_path / "a", mnt / "a")
+    s1 = stats(mnt.path)
+    cp_session(tmp_path / "b", mnt / "b")
+    cp_session(tmp_path / "d", mnt / "d")
+    s2 = stats(mnt.path)
+    a_blobs = s1["unique_blobs"] - s0["unique_blobs"]
+    a_bytes = s1["stored_bytes"] - s0["stored_bytes"]
+    assert a_blobs == len(a) + 1  # its pages and its manifest
+
+    run("rm", "-r", mnt / "a")
+    run("rm", "-r", mnt / "d" / "pages")  # d's manifest still lists its pages: gc roots
+    dry = gc(mnt.store, "--dry-run")
+    assert f"would remove {a_blobs} blobs ({a_bytes} bytes)" in dry
+    assert stats(mnt.path)["unique_blobs"] == s2["unique_blobs"]
+
+    out = gc(mnt.store)
+    assert f"removed {a_blobs} blobs ({a_bytes} bytes)" in out
+    s3 = stats(mnt.path)
+    assert s3["unique_blobs"] == s2["unique_blobs"] - a_blobs
+    assert s3["stored_bytes"] == s2["stored_bytes"] - a_bytes
+    for p in a:
+        assert not blob_path(mnt.store, p).exists()
+    for p in d:
+        assert blob_path(mnt.store, p).exists()
+    assert "removed 0 blobs" in gc(mnt.store)
+
+    # The kept pages come back by metadata-only fork, byte for byte.
+    (mnt / "e" / "pages").mkdir(parents=True)
+    run("cp", mnt / "d" / "manifest.json", mnt / "e" / "manifest.json")
+    assert [(mnt / "e" / "pages" / mf.page_name(i)).read_bytes() for i in range(len(d))] == d
+    assert [(mnt / "b" / "pages" / mf.page_name(i)).read_bytes() for i in range(len(b))] == b
+
+
+def test_gc_offline_sweeps_leftovers_after_the_grace_period(mount_factory, bf16_pages, tmp_path):
+    m = mount_factory()
+    keep = varied_pages(bf16_pages, 3, salt=4)
+    write_session(tmp_path / "k", keep)
+    cp_session(tmp_path / "k", m / "k")
+    assert m.stop() == 0
+    st = StoreDir(m.store)
+    old, young = varied_pages(bf16_pages, 2, salt=5)
+    # Blobs no row names (an interrupted write) and a temp file: one old, one young.
+    st.blobs.put(old)
+    st.blobs.put(young)
+    tmp = st.blobs.path(digest(old)).parent / ".tmp-0123456789abcdef-1-00000000"
+    tmp.write_bytes(b"half a frame")
+    hour_ago = time.time() - 3600
+    for p in (st.blobs.path(digest(old)), tmp):
+        os.utime(p, (hour_ago, hour_ago))
+    out = pffs("gc", "--store", m.store, "--grace", "10m").stdout
+    assert "removed 1 blobs" in out and "1 unnamed blobs younger than the grace period kept" in out
+    assert "removed 1 temp files" in out
+    assert not st.blobs.path(digest(old)).exists() and not tmp.exists()
+    assert st.blobs.path(digest(young)).exists()
+    assert all(st.blobs.path(digest(p)).exists() for p in keep)
+    # A dedup hit refreshes the blob's mtime, so the grace period counts from it.
+    os.utime(st.blobs.path(digest(young)), (hour_ago, hour_ago))
+    st.blobs.put(young)
+    assert st.blobs.path(digest(young)).stat().st_mtime > time.time() - 60
+    m.start()
+    assert [(m / "k" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == keep
+
+
+def test_gc_refuses_a_store_being_checked(mount_factory, tmp_path):
+    m = mount_factory(start=False)
+    StoreDir(m.store).create()
+    ns.open_db(m.store).close()
+    holder = StoreDir(m.store)
+    holder.lock("pffs check")
+    try:
+        r = pffs("gc", "--store", m.store, check=False)
+    finally:
+        holder.unlock()
+    assert r.returncode == 1 and "in use (pffs check" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+# -- prune ---------------------------------------------------------------------
+
+def test_prune_older_than_and_keep_last(mnt, bf16_pages, tmp_path):
+    now = time.time()
+    layout = {"old1": 9, "team/old2": 3, "team/x/new1": 0.01, "new2": 0.02, "team/new3": 0.03}
+    pages = {}
+    for k, (rel, days) in enumerate(layout.items()):
+        pages[rel] = varied_pages(bf16_pages, 2, salt=10 + k)
+        write_session(tmp_path / "src" / rel, pages[rel], seq_id=f"s{k}")
+        (mnt / rel).parent.mkdir(parents=True, exist_ok=True)
+        cp_session(tmp_path / "src" / rel, mnt / rel)
+        t = now - days * 86400
+        os.utime(mnt / rel / "manifest.json", (t, t))
+    (mnt / "plain").mkdir()
+    (mnt / "plain" / "notes.txt").write_text("not a session\n")
+    before = stats(mnt.path)
+
+    r = pffs("prune", mnt.path, "--older-than", "1d", "--dry-run")
+    assert "would remove" in r.stdout and str(mnt / "old1") in r.stdout and str(mnt / "team" / "old2") in r.stdout
+    assert (mnt / "old1").exists() and stats(mnt.path)["unique_blobs"] == before["unique_blobs"]
+
+    r = pffs("prune", mnt.path, "--older-than", "1d", "--grace", "0")
+    assert f"removing {mnt / 'old1'}" in r.stdout and f"removing {mnt / 'team' / 'old2'}" in r.stdout
+    assert "2 of 5 sessions removed" in r.stdout and "gc: removed 6 blobs" in r.stdout
+    assert not (mnt / "old1").exists() and not (mnt / "team" / "old2").exists()
+    after = stats(mnt.path)
+    assert after["sessions"] == 3 and after["unique_blobs"] == before["unique_blobs"] - 6
+
+    # Newest by manifest mtime under team/: x/new1, then new3.
+    r = pffs("prune", mnt / "team", "--keep-last", "1", "--grace", "0")
+    assert "1 of 2 sessions removed" in r.stdout
+    assert (mnt / "team" / "x" / "new1").exists() and not (mnt / "team" / "new3").exists()
+    assert (mnt / "plain" / "notes.txt").exists() and (mnt / "new2").exists()
+    for rel in ("team/x/new1", "new2"):
+        assert [(mnt / rel / "pages" / mf.page_name(i)).read_bytes() for i in range(2)] == pages[rel]
+
+
+def test_prune_errors_are_one_line(mnt, tmp_path):
+    for args in (("--keep-last", "1", tmp_path), ("--older-than", "soon", mnt.path)):
+        r = pffs("prune", *args, check=False)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- schema --------------------------------------------------------------------
+
+def test_newer_schema_is_refused_by_mount_check_and_gc(tmp_path):
+    store = tmp_path / "store"
+    StoreDir(store).create()
+    conn = ns.open_db(store)
+    conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(ns.SCHEMA_VERSION + 1),))
+    conn.close()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    for args in (("check", "--store", store), ("gc", "--store", store), ("mount", "--store", store, mp)):
+        r = pffs(*args, check=False, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, (args, r.stderr)
+        assert f"schema version {ns.SCHEMA_VERSION + 1} is newer than this pffs" in lines[0]
+    assert not os.path.ismount(mp)
+
+
+# -- check and repair ------------------------------------------------------------
+
+def test_damaged_blobs_give_eio_and_repair_isolates_them(mount_factory, bf16_pages, tmp_path):
+    m = mount_factory()
+    m.allow(r"ERROR pffs.fs: read /s/pages/00000[123]: blob sha256:")
+    pages = varied_pages(bf16_pages, 6, salt=20)
+    write_session(tmp_path / "s", pages)
+    cp_session(tmp_path / "s", m / "s")
+    assert m.stop() == 0
+
+    flipped, truncated, deleted = (blob_path(m.store, pages[i]) for i in (1, 2, 3))
+    frame = bytearray(flipped.read_bytes())
+    frame[len(frame) // 2] ^= 0x01
+    flipped.write_bytes(frame)
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    deleted.unlink()
+
+    m.start()
+    for i in (1, 2, 3):
+        with pytest.raises(OSError) as ei:
+            (m / "s" / "pages" / mf.page_name(i)).read_bytes()
+        assert ei.value.errno == errno.EIO
+        assert digest(pages[i]) in m.log_text()
+    for i in (0, 4, 5):
+        assert (m / "s" / "pages" / mf.page_name(i)).read_bytes() == pages[i]
+    assert m.proc.poll() is None
+    assert m.stop() == 0
+
+    r = pffs("check", "--store", m.store, check=False)  # headers only: finds the deleted blob
+    assert r.returncode == 1 and "/s/pages/000003" in r.stdout and "is missing" in r.stdout
+    r = pffs("check", "--store", m.store, "--read-data", check=False)
+    assert r.returncode == 1
+    for i in (1, 2, 3):
+        assert f"DAMAGE: /s/pages/{mf.page_name(i)}: blob {digest(pages[i])}" in r.stdout
+
+    r = pffs("check", "--store", m.store, "--read-data", "--repair", check=False)
+    assert r.returncode == 0, r.stdout
+    assert r.stdout.count("moved to /lost+found/") == 3 and "0 damaged after repair" in r.stdout
+    r = pffs("check", "--store", m.store, "--read-data")
+    assert "incomplete, 3 of 6 pages missing" in r.stdout
+
+    m.start()
+    assert sorted(os.listdir(m / "s" / "pages")) == [mf.page_name(i) for i in (0, 4, 5)]
+    for i in (0, 4, 5):
+        assert (m / "s" / "pages" / mf.page_name(i)).read_bytes() == pages[i]
+    lost = sorted(os.listdir(m / "lost+found"))
+    assert len(lost) == 6 and sum(n.endswith(".why") for n in lost) == 3
+    for n in lost:
+        if not n.endswith(".why"):
+            why = os.getxattr(m / "lost+found" / n, "user.pffs.lost").decode()
+            assert "/s/pages/00000" in why and why == (m / "lost+found" / (n + ".why")).read_text()
+            assert (m / "lost+found" / n).read_bytes() == b""
+    # Written again, the pages are stored afresh (the corrupt frames were set aside).
+    for i in (1, 2, 3):
+        copy_file(tmp_path / "s" / "pages" / mf.page_name(i), m / "s" / "pages" / mf.page_name(i))
+    for i in range(6):
+        assert (m / "s" / "pages" / mf.page_name(i)).read_bytes() == pages[i]
+    assert sorted(os.listdir(m.store / "damaged")) == sorted(p.name for p in (flipped, truncated))
+
+
+def test_repair_restores_the_newest_snapshot_and_recovers_later_sessions(mount_factory, bf16_pages,
+                                                                          tmp_path):
+    m = mount_factory()
+    m.allow(r"mount .* failed: .*not a readable namespace database")
+    a, b = varied_pages(bf16_pages, 4, salt=30), varied_pages(bf16_pages, 5, salt=31)
+    write_session(tmp_path / "a", a, seq_id="a")
+    write_session(tmp_path / "b", b, seq_id="b")
+    cp_session(tmp_path / "a", m / "a")
+    assert m.stop() == 0          # the unmount takes a snapshot holding a
+    m.start()
+    cp_session(tmp_path / "b", m / "b")
+    m.kill9()                     # b is in the database, in no snapshot
+    with open(m.store / "namespace.db", "r+b") as f:
+        f.write(os.urandom(4096))
+
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1 and "not a readable namespace database" in r.stdout
+    r = pffs("mount", "--store", m.store, m.path, check=False, timeout=60)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert "not a readable namespace database" in r.stderr
+
+    r = pffs("check", "--store", m.store, "--repair", check=False)
+    assert r.returncode == 0, r.stdout
+    assert "restored the namespace from snapshot namespace-" in r.stdout
+    assert "1 manifests" in r.stdout
+    assert any(p.name.startswith("namespace.db.damaged-") for p in m.store.iterdir())
+
+    m.start()
+    assert [(m / "a" / "pages" / mf.page_name(i)).read_bytes() for i in range(4)] == a
+    assert not (m / "b").exists()
+    rec = m / "lost+found" / "after-snapshot"
+    names = os.listdir(rec)
+    man = [n for n in names if n.endswith(".manifest.json")]
+    assert man == [digest((tmp_path / "b" / "manifest.json").read_bytes())[7:] + ".manifest.json"]
+    # Session b comes back by metadata-only fork from its recovered manifest.
+    (m / "b2" / "pages").mkdir(parents=True)
+    copy_file(rec / man[0], m / "b2" / "manifest.json")
+    assert [(m / "b2" / "pages" / mf.page_name(i)).read_bytes() for i in range(5)] == b
+
+
+def test_repair_fixes_structure_without_losing_files(mount_factory, bf16_pages, tmp_path):
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 3, salt=40)
+    write_session(tmp_path / "s", pages)
+    cp_session(tmp_path / "s", m / "s")
+    (m / "d1" / "d2").mkdir(parents=True)
+    (m / "d1" / "d2" / "f").write_bytes(b"keep me")
+    (m / "g").write_bytes(b"and me")
+    assert m.stop() == 0
+    conn = sqlite3.connect(m.store / "namespace.db")
+    ino = lambda parent, name: conn.execute(  # noqa: E731
+        "SELECT inode FROM dentries WHERE parent=? AND name=?", (parent, name)).fetchone()[0]
+    d1 = ino(1, b"d1")
+    g = ino(1, b"g")
+    s = ino(1, b"s")
+    conn.execute("UPDATE inodes SET nlink=7 WHERE id=?", (ino(s, b"manifest.json"),))
+    conn.execute("DELETE FROM dentries WHERE parent=1 AND name=?", (b"g",))            # orphan file
+    conn.execute("UPDATE dentries SET parent=? WHERE parent=1 AND name=?", (ino(d1, b"d2"), b"d1"))  # cycle
+    conn.execute("INSERT INTO dentries (parent, name, inode) VALUES (1, ?, 99999)", (b"ghost",))
+    conn.execute("INSERT INTO xattrs (inode, name, value) VALUES (88888, ?, ?)", (b"user.x", b"y"))
+    conn.commit()
+    conn.close()
+
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1
+    for what in ("link count 7, should be 1", f"inode {g} has no name", "cannot be reached from the root",
+                 "names missing inode 99999", "1 xattrs rows belong to inodes that do not exist"):
+        assert what in r.stdout, what
+    r = pffs("check", "--store", m.store, "--repair", check=False)
+    assert r.returncode == 0, r.stdout
+    m.start()
+    lf = m / "lost+found"
+    assert (lf / f"#{g}").read_bytes() == b"and me"
+    assert (lf / f"#{d1}" / "d2" / "f").read_bytes() == b"keep me"
+    assert [(m / "s" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
+    assert os.stat(m / "s" / "manifest.json").st_nlink == 1
+    assert not os.path.lexists(m / "ghost")
+
+
+def test_check_refuses_a_mounted_store(mnt):
+    r = pffs("check", "--store", mnt.store, "--repair", check=False)
+    assert r.returncode == 1 and "in use (pffs mount" in r.stderr
+
+
+def test_manifest_only_session_keeps_pages_until_its_manifest_goes(mnt, bf16_pages, tmp_path):
+    pages = varied_pages(bf16_pages, 3, salt=50)
+    m = make_manifest(pages)
+    (mnt / "s" / "pages").mkdir(parents=True)
+    for i, p in enumerate(pages):
+        (mnt / "s" / "pages" / mf.page_name(i)).write_bytes(p)
+    (mnt / "s" / "manifest.json").write_bytes(m.to_json())
+    run("rm", "-r", mnt / "s" / "pages")
+    assert "removed 0 blobs" in gc(mnt.store)
+    assert all(blob_path(mnt.store, p).exists() for p in pages)
+    os.unlink(mnt / "s" / "manifest.json")
+    assert "removed 4 blobs" in gc(mnt.store)
+    assert not any(blob_path(mnt.store, p).exists() for p in pages)
+    # Written again after gc: stored afresh and readable.
+    (mnt / "t").mkdir()
+    (mnt / "t" / "p").write_bytes(pages[0])
+    assert (mnt / "t" / "p").read_bytes() == pages[0]
+
+
+def test_gc_while_mounted_with_open_unlinked_file(mnt, bf16_pages):
+    data = varied_pages(bf16_pages, 1, salt=60)[0]
+    (mnt / "f").write_bytes(data)
+    with open(mnt / "f", "rb") as f:
+        os.unlink(mnt / "f")
+        assert "removed 0 blobs" in gc(mnt.store)
+        assert f.read() == data
