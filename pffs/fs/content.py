@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +22,14 @@ import trio
 from .. import manifest as mf
 from ..errors import StoreFull
 from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
+from .. import codec as codec_mod
 from ..store.local import LocalBlobStore, PutBatch
 from ..types import Digest, digest_of
 from .staging import Staging
+
+
+# Blocks at least this big are compressed on another thread while hashed.
+PARALLEL_ENCODE_MIN = 64 << 10
 
 
 @dataclass
@@ -51,6 +57,8 @@ class ContentStore:
         # syncer (or a user's fsync) makes them durable in groups.
         self.sync_on_close = sync_on_close
         self.pending = PutBatch()
+        self._encoder = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                           thread_name_prefix="pffs-encode")
         # Set by the daemon: the store's gc lock, held shared from a blob's
         # existence check to the commit naming it (see pffs.gc), and a
         # recount of stored bytes from the namespace (gc frees behind our back).
@@ -103,13 +111,22 @@ class ContentStore:
         rows: list[BlobRow] = []
         for bn in range(nblocks):
             data = stg.view(bn)
+            # Compress on a second core while this one hashes; the frame is
+            # dropped if the digest turns out to be stored already.
+            pending_frame = (self._encoder.submit(codec_mod.encode, data, self.blobs.codec)
+                             if len(data) >= PARALLEL_ENCODE_MIN else None)
             d = digest_of(data)
             if whole is not None:
                 whole.update(data)
             if self.max_size is not None and not self.blobs.contains(d) \
                     and not self._room_for(len(data)):
                 raise StoreFull(f"store limit of {self.max_size} bytes reached")
-            r = self.blobs.put(data, d, batch=batch)
+            if pending_frame is not None and not self.blobs.contains(d):
+                r = self.blobs.put(data, d, batch=batch, frame=pending_frame.result())
+            else:
+                if pending_frame is not None and not pending_frame.cancel():
+                    pending_frame.result()  # it reads the staging buffer: wait before returning
+                r = self.blobs.put(data, d, batch=batch)
             if not r.existed:
                 self.stored_bytes += r.stored_size
             blocks.append(d)

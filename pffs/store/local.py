@@ -90,8 +90,11 @@ class LocalBlobStore:
     # -- writing ---------------------------------------------------------
 
     def put(self, data, digest: Digest | None = None, *, batch: "PutBatch | None" = None,
-            codec: codec_mod.Codec | None = None) -> PutResult:
+            codec: codec_mod.Codec | None = None, frame=None) -> PutResult:
         """Store *data* under its digest (computed if not given).
+
+        *frame*, when given, is ``data`` already encoded (a caller that
+        compressed while it hashed); it is used only if the blob is new.
 
         Without *batch* the blob is durable when this returns; with one, it
         is durable once ``batch.sync()`` returns.  An existing blob is kept
@@ -107,7 +110,8 @@ class LocalBlobStore:
             if batch is not None:
                 batch._add(path)
             return PutResult(digest, raw_size, size, "", True)
-        frame = codec_mod.encode(data, codec or self.codec)
+        if frame is None:
+            frame = codec_mod.encode(data, codec or self.codec)
         codec_name = codec_mod.read_header(frame).codec.name
         if self.reserve is not None:
             self.reserve.before_put(len(frame))
