@@ -1,10 +1,12 @@
 """``pffs demo``: a KV cache saved, forked with ordinary tools, restored, and continued.
 
-Engine A (the reference engine) reads a prompt and decodes; its sequence is
+Engine A (the reference engine, or Hugging Face transformers' continuous
+batching with the same weights) reads a prompt and decodes; its sequence is
 paged out into the mount; the session is forked with ``cp -r`` and with
 ``pffs fork`` (no page bytes moved); fresh engines B and C page the forks in
-and continue, and their tokens and logits are compared bit for bit with A
-continuing uninterrupted.  Then the figures of the store.
+and continue, and their tokens and logits (logprobs for transformers) are
+compared bit for bit with A continuing uninterrupted.  Then the figures of
+the store.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from pathlib import Path
 
 import torch
 
+from pffs.errors import PffsError
+
 from .reference import ModelConfig, ReferenceEngine
+
+ENGINES = ("reference", "transformers")
+SEED = 1234
 
 PROMPT = ("pffs keeps the KV cache of a conversation as plain files: one folder a session, "
           "one file a page, so that cp, ls, sha256sum and rsync just work. ")
@@ -42,29 +49,59 @@ def _stats(mnt: Path) -> dict:
     return json.loads((mnt / ".pffs" / "stats.json").read_text())
 
 
+def _engines(engine: str, cfg: ModelConfig, dtype: str, n_tokens: int):
+    """A factory of fresh engines of one kind (same weights), what they score steps by, and a description."""
+    shape = f"{cfg.n_layers} layers, {cfg.n_kv_heads} KV heads x {cfg.head_dim}, {dtype}"
+    if engine == "reference":
+        def make(name: str):
+            return ReferenceEngine(cfg, dtype=dtype, num_blocks=256, seed=SEED, name=name)
+        return make, "logits", f"reference transformer ({shape})"
+    if engine == "transformers":
+        try:
+            from .transformers_adapter import TransformersEngine, llama_model
+        except ImportError as e:
+            raise PffsError(f"the transformers engine is not available: {e}") from None
+        import transformers
+
+        def make(name: str):
+            return TransformersEngine(llama_model(cfg, dtype=dtype, seed=SEED), num_blocks=256,
+                                      max_batch_tokens=max(512, n_tokens), name=name)
+        return make, "logprobs", (f"transformers {transformers.__version__} continuous batching, "
+                                  f"LlamaForCausalLM with the reference weights ({shape})")
+    raise ValueError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+
+
+def _score(o):
+    return o.logits if hasattr(o, "logits") else o.logprob
+
+
+def _same(x, y) -> bool:
+    """Bit for bit: tensors by torch.equal, floats by their exact hex form."""
+    if isinstance(x, torch.Tensor):
+        return torch.equal(x, y)
+    return (x is None and y is None) or (x is not None and y is not None and x.hex() == y.hex())
+
+
 def run(mnt: Path, *, dtype: str = "f32", n_decode: int = 40, prompt_repeats: int = 8,
-        out=print) -> bool:
-    """Run the demo in MNT/demo; True when every continuation matched bit for bit."""
+        out=print, engine: str = "reference") -> bool:
+    """Run the demo in MNT/demo with *engine*; True when every continuation matched bit for bit."""
     mnt = Path(mnt)
+    cfg = ModelConfig()
+    prompt = tokenize(PROMPT * prompt_repeats, cfg.vocab_size)
+    make, what, desc = _engines(engine, cfg, dtype, len(prompt))
     work = mnt / "demo"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir()
-    cfg = ModelConfig()
-    prompt = tokenize(PROMPT * prompt_repeats, cfg.vocab_size)
     before = _stats(mnt)
 
-    def engine(name: str) -> ReferenceEngine:
-        return ReferenceEngine(cfg, dtype=dtype, num_blocks=256, seed=1234, name=name)
-
-    out(f"engine A: reference transformer ({cfg.n_layers} layers, {cfg.n_kv_heads} KV heads x "
-        f"{cfg.head_dim}, {dtype}), prompt of {len(prompt)} tokens, decoding {n_decode}")
-    a = engine("A")
+    out(f"engine A: {desc}, prompt of {len(prompt)} tokens, decoding {n_decode}")
+    a = make("A")
     a.add_request("chat-1", prompt)
     t0 = time.perf_counter()
-    first_toks, first_logits = a.generate(["chat-1"], n_decode)
+    first_toks, first_scores = a.generate(["chat-1"], n_decode)
     t_prefill = time.perf_counter() - t0
-    last_tok, last_logits = first_toks["chat-1"][-1], first_logits["chat-1"][-1]
+    last_tok, last_score = first_toks["chat-1"][-1], first_scores["chat-1"][-1]
 
     t0 = time.perf_counter()
     m = a.page_out(work / "a")
@@ -83,25 +120,25 @@ def run(mnt: Path, *, dtype: str = "f32", n_decode: int = 40, prompt_repeats: in
     out(f"sha256sum c/pages/000000     =  {sums[:16]}…  (manifest lists {m.pages[0][7:23]}…)")
 
     # A continues uninterrupted; B and C continue from the restored forks.
-    ref_toks, ref_logits = a.generate(["chat-1"], n_decode)
+    ref_toks, ref_scores = a.generate(["chat-1"], n_decode)
     ok = True
     for name in ("b", "c"):
-        e = engine(name.upper())
+        e = make(name.upper())
         t0 = time.perf_counter()
         e.page_in(work / name)
         t_in = time.perf_counter() - t0
         # The saved KV covers every token but the newest (as in vLLM): the first
         # step after a restore recomputes A's last step from the restored KV.
         replay = e.step(["chat-1"])["chat-1"]
-        same_replay = replay.token == last_tok and torch.equal(replay.logits, last_logits)
-        toks, logits = e.generate(["chat-1"], n_decode)
+        same_replay = replay.token == last_tok and _same(_score(replay), last_score)
+        toks, scores = e.generate(["chat-1"], n_decode)
         same_tokens = toks["chat-1"] == ref_toks["chat-1"]
-        same_logits = all(torch.equal(x, y) for x, y in zip(logits["chat-1"], ref_logits["chat-1"]))
-        ok &= same_tokens and same_logits and same_replay
+        same_scores = all(_same(x, y) for x, y in zip(scores["chat-1"], ref_scores["chat-1"]))
+        ok &= same_tokens and same_scores and same_replay
         out(f"engine {name.upper()}: paged in {name} in {t_in * 1000:.0f} ms; last step replayed "
             f"{'bit-identical' if same_replay else 'DIFFERENT'}; decoded {n_decode} more: "
             f"tokens {'identical' if same_tokens else 'DIFFERENT'}, "
-            f"logits {'bit-identical' if same_logits else 'DIFFERENT'} to A uninterrupted")
+            f"{what} {'bit-identical' if same_scores else 'DIFFERENT'} to A uninterrupted")
 
     after = _stats(mnt)
     logical = after["logical_bytes"] - before["logical_bytes"]
