@@ -289,11 +289,18 @@ class TransformersAdapter:
 
     @contextlib.contextmanager
     def exclusive(self):
-        """The engine held still: paused if its thread runs, else as it is between hand steps."""
-        if self.manager.is_running():
-            with self.manager.pause():
-                yield
-        else:
+        """The engine held still: paused if its thread runs, else as it is between hand steps.
+
+        A cache created under ``torch.inference_mode`` (a loop started from
+        inside it) can only be written in that mode, so the copies run in
+        the cache's mode.
+        """
+        with contextlib.ExitStack() as stack:
+            if self.manager.is_running():
+                stack.enter_context(self.manager.pause())
+            bp = self.manager.batch_processor
+            if bp is not None:
+                stack.enter_context(torch.inference_mode(bp.cache.cache_tensor.is_inference()))
             yield
 
     # ------------------------------------------------------------ requests

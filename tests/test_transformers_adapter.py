@@ -249,3 +249,55 @@ def test_demo_with_the_transformers_engine(mnt):
     assert "logprobs bit-identical" in text and "every continuation matched bit for bit" in text
     assert sorted(os.listdir(mnt / "demo")) == ["a", "b", "c"]
     pffs("stats", mnt.path)
+
+
+# ---------------------------------------------------- a running manager
+
+
+def _manager(seed_model):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=48, max_batch_tokens=128, return_logprobs=True,
+                                  use_async_batching=False)
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1)
+    return seed_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+
+
+def _result(manager, rid):
+    for _ in range(600):
+        res = manager.get_result(request_id=rid, timeout=0.1)
+        if res is not None and res.is_finished():
+            return res
+    pytest.fail(f"request {rid} did not finish")
+
+
+@pytest.mark.parametrize("inference_mode", [False, True])
+def test_running_managers_are_paused_around_the_copies(tmp_path, inference_mode):
+    from engine_bridge.transformers_adapter import TransformersAdapter
+    total = 40
+    a, b = _manager(llama_model(seed=SEED)), _manager(llama_model(seed=SEED))
+    with torch.inference_mode(inference_mode):
+        a.start()
+        b.start()
+    try:
+        ta, tb = TransformersAdapter(a), TransformersAdapter(b)
+        a.add_request(PROMPT, request_id="r", max_new_tokens=total)
+        # Page out while its thread decodes: wait for a few tokens first.
+        for _ in range(3000):
+            live = ta.requests()
+            if live and len(live[0].generated_tokens) >= 4:
+                break
+        m = ta.page_out(tmp_path / "s")
+        done = len(m.logical_seqs[0].token_ids) - len(PROMPT)  # generated tokens whose KV is saved
+        assert 3 <= done < total
+        full = _result(a, "r")
+        assert len(full.generated_tokens) == total
+
+        assert tb.page_in(tmp_path / "s", max_new_tokens=total - done) == ["r"]
+        cont = _result(b, "r")
+        # The restored request replays the last saved token, then decodes as A did.
+        assert cont.generated_tokens == full.generated_tokens[done:]
+        assert hexes(cont.logprobs) == hexes(full.logprobs[done:])
+        assert tb.requests() == [] and tb.allocator.num_free() == tb.allocator.group.num_blocks
+    finally:
+        a.stop(block=True, timeout=30)
+        b.stop(block=True, timeout=30)
