@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
@@ -343,3 +345,64 @@ def test_gc_while_mounted_with_open_unlinked_file(mnt, bf16_pages):
         os.unlink(mnt / "f")
         assert "removed 0 blobs" in gc(mnt.store)
         assert f.read() == data
+
+
+def _still_running(done, seconds: float = 0.5) -> bool:
+    """True if *done()* stays false for *seconds* (a negative check: nothing may finish)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if done():
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_daemon_and_gc_honour_the_gc_lock(mnt, bf16_pages):
+    import threading
+    pages = varied_pages(bf16_pages, 2, salt=70)
+    lock = StoreDir(mnt.store).gc_lock
+    # gc holds it exclusively: a close (existence check → commit) waits for it.
+    with lock.exclusive():
+        t = threading.Thread(target=(mnt / "f").write_bytes, args=(pages[0],))
+        t.start()
+        assert _still_running(lambda: not t.is_alive())
+    t.join(30)
+    assert (mnt / "f").read_bytes() == pages[0]
+    # A writer holds it shared: gc's sweep waits for it.
+    (mnt / "g").write_bytes(pages[1])
+    os.unlink(mnt / "g")
+    with lock.shared():
+        proc = subprocess.Popen([sys.executable, "-m", "pffs.cli", "gc", "--store", str(mnt.store),
+                                 "--grace", "0"], stdout=subprocess.PIPE, text=True)
+        assert _still_running(lambda: proc.poll() is not None)
+        assert blob_path(mnt.store, pages[1]).exists()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "removed 1 blobs" in out
+    assert not blob_path(mnt.store, pages[1]).exists()
+    assert (mnt / "f").read_bytes() == pages[0]
+
+
+def test_session_sink_refuses_pages_gc_removed(tmp_path, bf16_pages):
+    from pffs.errors import PffsError
+    from pffs.offline import StoreSessionSink, StoreSessionSource
+    store = tmp_path / "store"
+    pages = varied_pages(bf16_pages, 2, salt=80)
+    sink = StoreSessionSink(store, "a")
+    ns.open_db(store).close()
+    for i, p in enumerate(pages):
+        sink.write_page(i, p)
+    sink.write_manifest(make_manifest(pages).to_json())
+    assert "removed 2 blobs" in pffs("gc", "--store", store, "--grace", "0").stdout
+    with pytest.raises(PffsError, match="removed by gc"):
+        sink.commit()
+    sink = StoreSessionSink(store, "a")
+    for i, p in enumerate(pages):
+        sink.write_page(i, p)
+    sink.write_manifest(make_manifest(pages).to_json())
+    sink.commit()
+    src = StoreSessionSource(store, "a")
+    try:
+        assert [src.read_page(i) for i in range(2)] == pages
+    finally:
+        src.close()
+    assert pffs("check", "--store", store, "--read-data").returncode == 0

@@ -1,0 +1,111 @@
+"""Full disks and store limits (SPEC §3.9): ENOSPC to the writer, nothing lost, rm and gc work."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lifecycle_helpers import copy_file, gc, run, stats
+from pffs import manifest as mf
+from sessions import make_manifest, varied_pages
+
+FULL_LOG = (r"disk full|disk of .* is full|no space left|store limit|staged changes dropped"
+            r"|namespace commit|store is full")
+
+
+def write_session_into(dst: Path, pages: list[bytes], seq_id: str) -> None:
+    """Write a session through the mount, file by file; raises at the first failing close."""
+    (dst / "pages").mkdir(parents=True, exist_ok=True)
+    for i, p in enumerate(pages):
+        fd = os.open(dst / "pages" / mf.page_name(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, p)
+        finally:
+            os.close(fd)
+    (dst / "manifest.json").write_bytes(make_manifest(pages, seq_id=seq_id).to_json())
+
+
+def read_session(src: Path, n: int) -> list[bytes]:
+    return [(src / "pages" / mf.page_name(i)).read_bytes() for i in range(n)]
+
+
+def fill_until_enospc(m, bf16_pages, per_session: int, limit: int = 400) -> dict[str, list[bytes]]:
+    """Write sessions until a close fails with ENOSPC; returns the complete ones."""
+    done: dict[str, list[bytes]] = {}
+    for k in range(limit):
+        pages = varied_pages(bf16_pages, per_session, salt=1000 + k)
+        try:
+            write_session_into(m / f"s{k:03d}", pages, f"s{k}")
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+            return done
+        done[f"s{k:03d}"] = pages
+    raise AssertionError(f"no ENOSPC after {limit} sessions")
+
+
+def after_full(m, done: dict[str, list[bytes]], bf16_pages, per_session: int) -> None:
+    """The daemon is up, stored sessions intact, rm and gc work, then writes succeed again."""
+    assert m.proc.poll() is None
+    assert (m / ".pffs" / "version").exists()
+    assert len(done) >= 3
+    for name, pages in done.items():
+        assert read_session(m / name, per_session) == pages, name
+    names = sorted(done)
+    doomed = names[: len(names) // 2 + 1]
+    run("rm", "-r", *[m / n for n in doomed])
+    out = gc(m.store)
+    assert "removed 0 blobs" not in out, out
+    for n in doomed:
+        del done[n]
+    for k in range(3):
+        pages = varied_pages(bf16_pages, per_session, salt=5000 + k)
+        write_session_into(m / f"again{k}", pages, f"again{k}")
+        done[f"again{k}"] = pages
+    for name, pages in done.items():
+        assert read_session(m / name, per_session) == pages, name
+
+
+def test_max_size_gives_enospc_and_gc_makes_room(mount_factory, bf16_pages):
+    m = mount_factory(opts=["max_size=4M"])
+    m.allow(FULL_LOG)
+    done = fill_until_enospc(m, bf16_pages, per_session=4)
+    st = os.statvfs(m.path)
+    assert st.f_blocks * st.f_frsize <= 4 << 20
+    assert stats(m.path)["stored_bytes"] <= 4 << 20
+    after_full(m, done, bf16_pages, per_session=4)
+    assert "store limit of 4194304 bytes reached" in m.log_text()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    d = tmp_path / "tmpfs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (root needed): {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_full_disk_gives_enospc_and_deletes_still_work(mount_factory, bf16_pages, small_tmpfs):
+    m = mount_factory(store=small_tmpfs / "store")
+    m.allow(FULL_LOG)
+    assert (m.store / "reserve").stat().st_size == 16 << 20
+    done = fill_until_enospc(m, bf16_pages, per_session=8)
+    s = os.statvfs(small_tmpfs)
+    # Full: what is left is the room kept in reserve for deletions (or less).
+    assert s.f_bavail * s.f_frsize < (16 << 20) + (1 << 20)
+    log = m.log_text()
+    assert "no space left for blob" in log or "disk full" in log
+    after_full(m, done, bf16_pages, per_session=8)
+    assert m.stop() == 0
+    assert not m.log_problems(), m.log_problems()
+    r = m.check_store("--read-data")
+    assert r.returncode == 0, r.stdout
+    m.skip_check = True  # the store goes with the tmpfs
