@@ -140,11 +140,14 @@ class Daemon:
         from .fs.db import Database
         from .fs.operations import Operations
         from .fs.virtual import VirtualTree
-        from .reserve import SpaceReserve
+        from .reserve import SpaceReserve, free_bytes
 
         st = self.store
         st.create()
         st.lock(f"pffs mount {self.mountpoint}")
+        self.reserve = SpaceReserve(st.reserve_path, self.opts.reserve)
+        if self.opts.reserve > 0 and free_bytes(st.root) < self.opts.reserve // 4:
+            self.reserve.release()  # mounting a full store: room to open the database and delete
         conn = namespace.open_db(st.root)
         try:
             with namespace.transaction(conn):
@@ -159,7 +162,6 @@ class Daemon:
         for p in st.blobs.temp_files():
             p.unlink()
         self.db = Database(st.db_path)
-        self.reserve = SpaceReserve(st.reserve_path, self.opts.reserve)
         self.reserve.ensure()
         if self.opts.reserve > 0:
             st.blobs.reserve = self.reserve
