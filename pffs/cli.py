@@ -80,6 +80,13 @@ def cmd_check(args) -> int:
 
 def cmd_gc(args) -> int:
     from . import gc
+    from .store.s3 import url_of
+    if url_of(args.store) is not None or os.path.exists(os.path.join(args.store or "", "remote.json")):
+        from . import remote
+        r = remote.collect_cli(args.store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
+                               progress=Progress("sweeping the bucket"))
+        print(f"gc: {r.summary()}")
+        return 0
     r = gc.collect(_store(args), grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
                    progress=Progress("sweeping"))
     print(f"gc: {r.summary()}")
@@ -100,9 +107,17 @@ def cmd_prune(args) -> int:
 def cmd_mount(args) -> int:
     from . import daemon
     opts = daemon.parse_options(args.o)
+    store = args.store
+    if args.cache or (store or "").startswith("s3://"):
+        from .store.s3 import url_of
+        from .storedir import StoreDir
+        if url_of(store) is None:
+            raise PffsError("--cache is for s3:// stores (a local store is its own folder)")
+        # Bind the cache folder to the bucket; the daemon then opens the store by its folder.
+        store = str(StoreDir(store, cache=args.cache, remote=opts.remote).root)
     if args.foreground:
-        return daemon.run(args.store, args.mountpoint, opts, foreground=True)
-    daemon.spawn(args.store, args.mountpoint, args.o)
+        return daemon.run(store, args.mountpoint, opts, foreground=True)
+    daemon.spawn(store, args.mountpoint, args.o)
     return 0
 
 
@@ -154,10 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     s = sub.add_parser("mount", help="mount a store")
-    s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
+    s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs),"
+                   " or s3://BUCKET/PREFIX")
+    s.add_argument("--cache", help="with an s3:// store: the local folder for its namespace and blob"
+                   " cache (default under $XDG_CACHE_HOME/pffs)")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", default=[], metavar="OPTS",
-                   help="allow_other, cache_size=SIZE, max_size=SIZE, codec=NAME")
+                   help="allow_other, cache_size=SIZE, max_size=SIZE, codec=NAME; for S3 also"
+                   " endpoint=URL, region=, access_key=, secret_key=, s3_timeout=SECONDS, lease=AGE")
     s.add_argument("mountpoint")
     s.set_defaults(func=cmd_mount)
 
@@ -210,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     s.add_argument("--grace", default="10m", metavar="AGE", help="gc's grace period (default 10m)")
     s.set_defaults(func=cmd_prune)
+    from .remote import add_commands
+    add_commands(sub)
     return p
 
 

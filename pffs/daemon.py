@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyfuse3
@@ -45,6 +45,7 @@ class MountOptions:
     snapshots_kept: int = 3
     sync: str = "batch"   # "batch": grouped blob fsyncs every SYNC_INTERVAL; "close": at every close
     reserve: int = 16 << 20  # disk space held back so deletions commit on a full disk (pffs.reserve)
+    remote: dict = field(default_factory=dict)  # S3 client and lease options (pffs.store.s3.OPTIONS)
 
 
 def parse_size(text: str) -> int:
@@ -53,6 +54,11 @@ def parse_size(text: str) -> int:
     if not m:
         raise PffsError(f"bad size {text!r} (use e.g. 512M, 2G)")
     return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)])
+
+
+def _s3_options() -> tuple[str, ...]:
+    from .store.s3 import OPTIONS
+    return OPTIONS
 
 
 def parse_options(opts: list[str]) -> MountOptions:
@@ -86,6 +92,8 @@ def parse_options(opts: list[str]) -> MountOptions:
                 o.snapshot_interval = float(val)
             elif key == "reserve":
                 o.reserve = parse_size(val)
+            elif key in _s3_options():
+                o.remote[key] = val
             else:
                 raise PffsError(f"unknown mount option {key!r}")
     return o
@@ -134,6 +142,7 @@ class Daemon:
         self.opts = opts
         self.ops = None
         self.db = None
+        self.remote = None  # pffs.remote.RemoteMount of an S3 store
 
     def prepare(self) -> None:
         from .fs.content import ContentStore
@@ -167,13 +176,16 @@ class Daemon:
             st.blobs.reserve = self.reserve
             self.db.on_full = self.reserve.release
         content = ContentStore(st.blobs, st.staging_dir, max_size=self.opts.max_size,
-                               sync_on_close=self.opts.sync == "close")
+                               sync_on_close=self.opts.sync == "close" or st.url is not None)
         content.stored_bytes = stored
         content.gc_lock = st.gc_lock
         content.recount = self.recount
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
         self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
+        if st.url is not None:
+            from .remote import attach
+            self.remote = attach(self)
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {f"fsname=pffs:{st.root}", "subtype=pffs", "default_permissions"}
         if self.opts.allow_other:
@@ -251,6 +263,8 @@ class Daemon:
             from .fs.operations import TIMING
             for name, (n, total) in sorted((TIMING or {}).items(), key=lambda kv: -kv[1][1]):
                 log.info("timing %-12s %8d calls %9.3f s %8.1f us/call", name, n, total, total / n * 1e6)
+        if self.remote is not None:
+            self.remote.stop()
         if self.db is not None:
             self.snapshot()
             self.db.close()
@@ -260,7 +274,7 @@ class Daemon:
 
 def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foreground: bool,
         ready_fd: int | None = None) -> int:
-    st = StoreDir(store_dir, opts.codec)
+    st = StoreDir(store_dir, opts.codec, remote=opts.remote)
     mp = Path(mountpoint).absolute()
 
     def ready(msg: str) -> None:

@@ -30,3 +30,10 @@ class CodecError(PffsError):
 
 class StoreFull(PffsError):
     """The store's size limit or the disk is reached."""
+
+
+class StoreUnavailable(PffsError):
+    """The blob store cannot be reached or refuses us (network, server, credentials).
+
+    Not damage: nothing was changed, and the same call may work later.
+    """

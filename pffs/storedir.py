@@ -50,11 +50,21 @@ def default_store_dir() -> Path:
 
 
 class StoreDir:
-    def __init__(self, root: str | os.PathLike | None = None, codec: str | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, codec: str | None = None, *,
+                 cache: str | os.PathLike | None = None, remote: dict | None = None):
+        # An s3:// URL keeps blobs in a bucket and everything else in a local
+        # cache folder (--cache, else one per URL); a folder bound to a URL
+        # (its remote.json) opens that bucket again (pffs.store.s3).
+        from .store import s3
+        self.url = s3.url_of(root)
+        if self.url is not None:
+            root = cache if cache is not None else s3.default_cache_dir(self.url)
         self.root = Path(root) if root is not None else default_store_dir()
         self.root = self.root.expanduser().absolute()
         kwargs = {"codec": codec} if codec else {}
-        self.blobs = LocalBlobStore(self.root, **kwargs)
+        self.blobs = s3.open_remote(self.root, self.url, remote, **kwargs) or LocalBlobStore(self.root, **kwargs)
+        if self.url is None and not isinstance(self.blobs, LocalBlobStore):
+            self.url = self.blobs.url
         self._lock_fd: int | None = None
 
     @property

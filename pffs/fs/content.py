@@ -64,6 +64,10 @@ class ContentStore:
         # recount of stored bytes from the namespace (gc frees behind our back).
         self.gc_lock = None
         self.recount = None
+        # Set for an S3 store (pffs.remote): adopt(pages) gives the page
+        # digests a manifest lists that the namespace does not know yet a
+        # blob row each when the bucket holds them, so that forks find them.
+        self.adopt = None
 
     async def sync_pending(self) -> None:
         """Make every blob written so far durable (grouped fsyncs)."""
@@ -83,6 +87,8 @@ class ContentStore:
             stored = self._store_sync(stg, parse_manifest)
             if then is None or stored.manifest_error is not None:
                 return stored, None
+            if stored.manifest is not None and self.adopt is not None:
+                self.adopt(stored.manifest.pages)
             return stored, then(stored)
 
     def _room_for(self, nbytes: int) -> bool:

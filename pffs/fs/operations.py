@@ -27,7 +27,7 @@ from pyfuse3 import FUSEError
 
 from .. import manifest as mf
 from .. import namespace as ns
-from ..errors import IntegrityError, StoreFull
+from ..errors import IntegrityError, StoreFull, StoreUnavailable
 from ..namespace import BLOCK_SIZE, FsError
 from .blobcache import BlobCache
 from .content import ContentStore
@@ -67,6 +67,9 @@ def handler(fn):
         except StoreFull as e:
             log.warning("%s: %s", name, e)
             raise FUSEError(errno.ENOSPC) from None
+        except StoreUnavailable as e:
+            log.error("%s: blob store unreachable: %s", name, e)
+            raise FUSEError(errno.EIO) from None
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 log.warning("%s: store is full: %s", name, e)
@@ -414,6 +417,8 @@ class Operations(pyfuse3.Operations):
         try:
             data = b"".join([await self._blob(d, ino) for d in blocks])
             m = await trio.to_thread.run_sync(mf.parse, data, limiter=self.content.limiter)
+            if self.content.adopt is not None:
+                await trio.to_thread.run_sync(self.content.adopt, m.pages, limiter=self.content.limiter)
         except mf.ManifestError as e:
             log.warning("%s %s: refused manifest: %s", op, where, e)
             raise FUSEError(errno.EINVAL) from None
@@ -675,7 +680,7 @@ class Operations(pyfuse3.Operations):
                     except FUSEError as e:
                         log.warning("release %s: staged changes dropped (%s)", self.path_of(ino),
                                     os.strerror(e.errno))
-                    except StoreFull as e:
+                    except (StoreFull, StoreUnavailable) as e:
                         log.warning("release %s: staged changes dropped (%s)", self.path_of(ino), e)
             if st.opens > 0:
                 return
@@ -835,6 +840,6 @@ class Operations(pyfuse3.Operations):
                     except FUSEError as e:
                         log.warning("unmount: %s: staged changes dropped (%s)", self.path_of(ino),
                                     os.strerror(e.errno))
-                    except StoreFull as e:
+                    except (StoreFull, StoreUnavailable) as e:
                         log.warning("unmount: %s: staged changes dropped (%s)", self.path_of(ino), e)
 

@@ -1,0 +1,741 @@
+"""The blob store on S3: the same frames and names as the local store, in a bucket.
+
+``pffs mount --store s3://BUCKET/PREFIX`` keeps, under ``PREFIX/``::
+
+    blobs/<2 hex>/<64 hex>   one frame per blob, named by the sha256 of its raw bytes
+    trash/<2 hex>/<64 hex>   blobs gc has set aside (read back and restored if still needed)
+    manifests/<NAME>         manifests published with ``pffs push`` (the user's bytes)
+    mounts/<ID>              registrations of the stores using the bucket (pffs.remote)
+
+Each mount keeps its namespace in a local folder (the *cache folder*), beside
+a bounded cache of frames (``blobs/``, LRU by bytes) so that recently written
+or read blobs are read without the network.  The folder's ``remote.json``
+binds it to one URL, so every tool given the folder finds the bucket.
+
+Puts are put-if-absent (a HEAD, then a PUT with ``If-None-Match: *``) and,
+inside a batch, run on a pool of upload threads: :meth:`S3PutBatch.sync`
+returns once every blob of the batch is in the bucket, or raises.  Reads are
+verified like the local store's (frame checks, then sha256 against the name).
+The network never hides behind another error: an unreachable or refusing
+endpoint raises :class:`~pffs.errors.StoreUnavailable` (EIO to a FUSE
+caller) after a short timeout and few retries, and changes nothing.
+
+boto3 is imported on first use, so local stores never need it.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import hashlib
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from .. import codec as codec_mod
+from ..errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
+from ..namespace import BlobRow
+from ..types import Digest, digest_hex, digest_of, is_digest
+from .local import _TMP_PREFIX, LocalBlobStore, PutResult
+
+SCHEME = "s3://"
+CONFIG_NAME = "remote.json"
+BLOBS = "blobs/"
+TRASH = "trash/"
+MANIFESTS = "manifests/"
+MOUNTS = "mounts/"
+
+# Mount options (``-o``) that configure the S3 client; ``lease`` is pffs.remote's.
+OPTIONS = ("endpoint", "region", "access_key", "secret_key", "addressing", "s3_timeout",
+           "s3_retries", "upload_threads", "lease")
+# Options worth remembering in remote.json for later tools (never secrets).
+_PERSISTED = ("endpoint", "region", "addressing")
+
+DEFAULT_TIMEOUT = 5.0      # seconds to connect, and to wait for each read
+DEFAULT_RETRIES = 2        # attempts in all (botocore "standard" mode)
+DEFAULT_UPLOAD_THREADS = 8
+DEFAULT_CACHE = 128 << 20
+# What a HEAD said about a digest is trusted this long (put and contains ask
+# in turn; gc only touches blobs older than its grace period).
+_PRESENT_TTL = 60.0
+_ABSENT_TTL = 2.0
+_META_RAW = "pffs-raw-size"
+_META_CODEC = "pffs-codec"
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
+
+
+# -- URLs and the cache folder ------------------------------------------------
+
+def url_of(value) -> str | None:
+    """The normalised ``s3://bucket/prefix`` if *value* is an S3 URL, else None."""
+    if value is None or not str(value).startswith(SCHEME):
+        return None
+    bucket, prefix = parse_url(str(value))
+    return f"{SCHEME}{bucket}/{prefix.rstrip('/')}" if prefix else f"{SCHEME}{bucket}"
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` → ('bucket', 'a/b/'); the prefix is '' or ends in '/'."""
+    rest = url[len(SCHEME):]
+    bucket, _, prefix = rest.partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise PffsError(f"{url}: bad bucket name {bucket!r} (3-63 lowercase letters, digits, '.', '-')")
+    parts = [p for p in prefix.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise PffsError(f"{url}: '.' and '..' are not allowed in the prefix")
+    return bucket, "".join(p + "/" for p in parts)
+
+
+def default_cache_dir(url: str) -> Path:
+    """``$XDG_CACHE_HOME/pffs/<bucket>-<prefix>-<hash>`` (or ~/.cache/pffs/…), one per URL."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    bucket, prefix = parse_url(url)
+    label = re.sub(r"[^A-Za-z0-9.\-]+", "-", f"{bucket}-{prefix}").strip("-")[:80]
+    return Path(base) / "pffs" / f"{label}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+
+
+def read_config(root: Path) -> dict | None:
+    try:
+        with open(root / CONFIG_NAME) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise PffsError(f"{root / CONFIG_NAME}: unreadable ({e})") from None
+    if not isinstance(cfg, dict) or url_of(cfg.get("url")) is None:
+        raise PffsError(f"{root / CONFIG_NAME}: no s3:// url in it")
+    return cfg
+
+
+def bind(root: Path, url: str, options: dict) -> dict:
+    """Bind the cache folder *root* to *url* (remote.json); refuse a folder bound elsewhere."""
+    cfg = read_config(root)
+    if cfg is not None and url_of(cfg["url"]) != url:
+        raise PffsError(f"{root} is the cache folder of {cfg['url']}, not of {url}")
+    if cfg is None and (root / "namespace.db").exists():
+        raise PffsError(f"{root} holds a local pffs store; give S3 stores a folder of their own (--cache)")
+    new = dict(cfg or {})
+    new["url"] = url
+    new.update({k: options[k] for k in _PERSISTED if options.get(k)})
+    if new != cfg:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{CONFIG_NAME}.{os.getpid()}"
+        tmp.write_text(json.dumps(new, indent=2) + "\n")
+        os.replace(tmp, root / CONFIG_NAME)
+    return new
+
+
+def open_remote(root: Path, url: str | None, options: dict | None = None,
+                **kwargs) -> "S3BlobStore | None":
+    """The S3 store of the cache folder *root* (binding it to *url* if given), or None if local."""
+    options = dict(options or {})
+    cfg = bind(root, url, options) if url is not None else read_config(root)
+    if cfg is None:
+        return None
+    for k in _PERSISTED:
+        if not options.get(k) and cfg.get(k):
+            options[k] = cfg[k]
+    return S3BlobStore(root, url_of(cfg["url"]), options=options, **kwargs)
+
+
+# -- the store ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a HEAD tells about a blob object."""
+    stored_size: int
+    raw_size: int | None
+    codec: str
+    last_modified: float = 0.0
+
+
+class S3BlobStore:
+    """Blobs in ``s3://bucket/prefix/blobs``, with a local frame cache; thread-safe."""
+
+    def __init__(self, root: str | os.PathLike, url: str, *, options: dict | None = None,
+                 codec: str = codec_mod.DEFAULT_CODEC, max_raw: int = codec_mod.MAX_RAW):
+        opts = options or {}
+        self.root = Path(root)
+        self.url = url
+        self.bucket, self.prefix = parse_url(url)
+        self.codec = codec_mod.parse_codec(codec)
+        self.max_raw = max_raw
+        self.reserve = None  # set by a mounted daemon; the cache never eats into it
+        self.cache = FrameCache(self.root, DEFAULT_CACHE)
+        self.endpoint = opts.get("endpoint") or None
+        self.region = opts.get("region") or None
+        self.access_key = opts.get("access_key") or None
+        self.secret_key = opts.get("secret_key") or None
+        self.addressing = opts.get("addressing") or ("path" if self.endpoint
+                                                      or os.environ.get("AWS_ENDPOINT_URL") else "auto")
+        try:
+            self.timeout = float(opts.get("s3_timeout") or DEFAULT_TIMEOUT)
+            self.retries = int(opts.get("s3_retries") or DEFAULT_RETRIES)
+            self.threads = int(opts.get("upload_threads") or DEFAULT_UPLOAD_THREADS)
+        except ValueError as e:
+            raise PffsError(f"bad S3 option: {e}") from None
+        if self.timeout <= 0 or self.retries < 1 or self.threads < 1:
+            raise PffsError("s3_timeout must be > 0, s3_retries and upload_threads >= 1")
+        self._client = None
+        self._client_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        # Frames handed to the pool and not yet uploaded: bounds the memory a
+        # fast writer can queue ahead of the network.
+        self._inflight = threading.BoundedSemaphore(2 * self.threads)
+        self._seen: dict[str, tuple[float, ObjectInfo | None]] = {}
+        self._seen_lock = threading.Lock()
+        self._conditional_put = True
+
+    # -- plumbing ------------------------------------------------------------
+
+    @property
+    def client(self):
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = self._make_client()
+        return self._client
+
+    def _make_client(self):
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise PffsError("S3 stores need boto3: pip install 'pffs[s3]'") from None
+        kw = dict(connect_timeout=self.timeout, read_timeout=self.timeout,
+                  retries={"max_attempts": self.retries, "mode": "standard"},
+                  max_pool_connections=2 * self.threads + 8, s3={"addressing_style": self.addressing},
+                  signature_version="s3v4")
+        try:
+            # sha256 of every blob is checked on read; spare the extra CRCs.
+            config = Config(**kw, request_checksum_calculation="when_required",
+                            response_checksum_validation="when_required")
+        except TypeError:
+            config = Config(**kw)
+        session = boto3.session.Session(aws_access_key_id=self.access_key,
+                                        aws_secret_access_key=self.secret_key,
+                                        region_name=self.region)
+        if session.region_name is None:
+            session = boto3.session.Session(aws_access_key_id=self.access_key,
+                                            aws_secret_access_key=self.secret_key,
+                                            region_name="us-east-1")
+        return session.client("s3", endpoint_url=self.endpoint, config=config)
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._client_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=self.threads,
+                                                    thread_name_prefix="pffs-s3")
+        return self._pool
+
+    def set_cache_limit(self, limit: int) -> None:
+        self.cache.limit = limit
+
+    def key(self, digest: Digest, area: str = BLOBS) -> str:
+        h = digest_hex(digest)
+        return f"{self.prefix}{area}{h[:2]}/{h}"
+
+    def _call(self, op: str, what: str, **kw):
+        """One S3 request; None for "no such key", StoreUnavailable for everything the network did."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            return getattr(self.client, op)(Bucket=self.bucket, **kw)
+        except ClientError as e:
+            if _status(e) == 404 and _code(e) not in ("NoSuchBucket",):
+                return None
+            raise self._error(what, e) from None
+        except (BotoCoreError, OSError) as e:
+            raise self._error(what, e) from None
+
+    def _error(self, what: str, e: Exception) -> StoreUnavailable:
+        from botocore.exceptions import ClientError
+        if isinstance(e, ClientError):
+            code, status = _code(e), _status(e)
+            if code == "NoSuchBucket":
+                why = "the bucket does not exist"
+            elif status == 403:
+                why = f"access denied ({code})"
+            else:
+                why = f"{code or 'error'} (HTTP {status})"
+        else:
+            why = str(e) or type(e).__name__
+        return StoreUnavailable(f"{self.url}: {what}: {why}")
+
+    def check_access(self) -> None:
+        """Raise one clear error unless the bucket answers (and exists)."""
+        r = self._call("list_objects_v2", "listing the bucket", Prefix=self.prefix + MOUNTS, MaxKeys=1)
+        if r is None:
+            raise StoreUnavailable(f"{self.url}: the bucket does not exist")
+
+    def create_dirs(self) -> None:
+        """The local cache folder's fan-out directories (the bucket needs none)."""
+        self.cache.store.create_dirs()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- existence -------------------------------------------------------------
+
+    def _remember(self, digest: str, info: ObjectInfo | None) -> None:
+        with self._seen_lock:
+            if len(self._seen) > 200_000:
+                self._seen.clear()
+            self._seen[digest] = (time.monotonic(), info)
+
+    def stat(self, digest: Digest, *, fresh: bool = False) -> ObjectInfo | None:
+        """HEAD of the blob (None if absent); recent answers are reused unless *fresh*."""
+        if not fresh:
+            with self._seen_lock:
+                hit = self._seen.get(digest)
+            if hit is not None:
+                age = time.monotonic() - hit[0]
+                if age < (_PRESENT_TTL if hit[1] is not None else _ABSENT_TTL):
+                    return hit[1]
+        info = self._head(self.key(digest))
+        self._remember(digest, info)
+        return info
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        r = self._call("head_object", f"HEAD {key}", Key=key)
+        if r is None:
+            return None
+        meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
+        try:
+            raw = int(meta[_META_RAW])
+        except (KeyError, ValueError):
+            raw = None
+        lm = r.get("LastModified")
+        return ObjectInfo(int(r["ContentLength"]), raw, meta.get(_META_CODEC, ""),
+                          lm.timestamp() if lm is not None else 0.0)
+
+    def contains(self, digest: Digest) -> bool:
+        return self.stat(digest) is not None
+
+    def stored_size(self, digest: Digest) -> int:
+        info = self.stat(digest, fresh=True)
+        if info is None:
+            raise MissingBlob(digest, f"not in {self.url}")
+        return info.stored_size
+
+    def lookup(self, digest: Digest) -> BlobRow | None:
+        """A blob row for *digest* if the bucket holds it (restored from trash if need be)."""
+        info = self.stat(digest, fresh=True)
+        if info is None and self._restore(digest):
+            info = self.stat(digest, fresh=True)
+        if info is None:
+            return None
+        raw, codec = info.raw_size, info.codec
+        if raw is None:
+            # Put by something other than pffs: the frame header says.
+            hdr = self.header(digest)
+            raw, codec = hdr.raw_len, hdr.codec.name
+        return BlobRow(digest, raw, info.stored_size, codec)
+
+    def lookup_many(self, digests: Iterable[str]) -> dict[str, BlobRow]:
+        """:meth:`lookup` of many digests at once (HEADs in parallel)."""
+        todo = sorted({d for d in digests if is_digest(d)})
+        if not todo:
+            return {}
+        if len(todo) == 1:
+            row = self.lookup(Digest(todo[0]))
+            return {todo[0]: row} if row is not None else {}
+        rows = self.pool.map(lambda d: self.lookup(Digest(d)), todo)
+        return {d: r for d, r in zip(todo, rows) if r is not None}
+
+    def _restore(self, digest: Digest) -> bool:
+        """Copy a blob gc set aside back into place; True if there was one."""
+        src = self.key(digest, TRASH)
+        r = self._call("copy_object", f"restoring {src}", Key=self.key(digest),
+                       CopySource={"Bucket": self.bucket, "Key": src}, MetadataDirective="COPY")
+        if r is None:
+            return False
+        self._remember(digest, None)
+        return True
+
+    # -- writing -------------------------------------------------------------------
+
+    def batch(self) -> "S3PutBatch":
+        return S3PutBatch()
+
+    def put(self, data, digest: Digest | None = None, *, batch=None,
+            codec: codec_mod.Codec | None = None, frame=None) -> PutResult:
+        """Store *data* under its digest unless the bucket has it.
+
+        Without an :class:`S3PutBatch` the blob is in the bucket when this
+        returns; with one, once ``batch.sync()`` returns (the upload runs on
+        the store's pool meanwhile).
+        """
+        if digest is None:
+            digest = digest_of(data)
+        raw_size = memoryview(data).nbytes
+        info = self.stat(digest)
+        if info is not None:
+            return PutResult(digest, raw_size, info.stored_size, info.codec, True)
+        if frame is None:
+            frame = codec_mod.encode(data, codec or self.codec)
+        codec_name = codec_mod.read_header(frame).codec.name
+        if isinstance(batch, S3PutBatch):
+            self._inflight.acquire()
+            try:
+                fut = self.pool.submit(self._upload, digest, frame, raw_size, codec_name)
+            except BaseException:
+                self._inflight.release()
+                raise
+            fut.add_done_callback(lambda _f: self._inflight.release())
+            batch._add(fut)
+        else:
+            self._upload(digest, frame, raw_size, codec_name)
+        return PutResult(digest, raw_size, len(frame), codec_name, False)
+
+    def _upload(self, digest: Digest, frame: bytes, raw_size: int, codec_name: str) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+        key = self.key(digest)
+        meta = {_META_RAW: str(raw_size), _META_CODEC: codec_name}
+        for attempt in range(4):
+            kw = dict(Bucket=self.bucket, Key=key, Body=bytes(frame), Metadata=meta,
+                      ContentType="application/octet-stream")
+            if self._conditional_put:
+                kw["IfNoneMatch"] = "*"
+            try:
+                self.client.put_object(**kw)
+                break
+            except ClientError as e:
+                status = _status(e)
+                if status == 412:
+                    break  # another writer stored it first: same bytes
+                if status == 501 and self._conditional_put:
+                    self._conditional_put = False  # no conditional puts here: overwrite alike bytes
+                    continue
+                if status == 409 and attempt < 3:
+                    # A concurrent conditional put of the same key: let it finish, look again.
+                    time.sleep(0.1 * (attempt + 1))
+                    if self._head(key) is not None:
+                        break
+                    continue
+                raise self._error(f"PUT {key}", e) from None
+            except (BotoCoreError, OSError) as e:
+                raise self._error(f"PUT {key}", e) from None
+        self._remember(digest, ObjectInfo(len(frame), raw_size, codec_name, time.time()))
+        self._cache_frame(digest, frame)
+
+    def _cache_frame(self, digest: Digest, frame: bytes) -> None:
+        if self.reserve is not None:
+            try:
+                self.reserve.before_put(len(frame))
+            except StoreFull:
+                return  # the cache gives way to the reserve
+        self.cache.put(digest, frame)
+
+    def delete(self, digest: Digest) -> bool:
+        """Remove a blob from the bucket (and the cache); True if it was there."""
+        had = self.stat(digest, fresh=True) is not None
+        self._call("delete_object", f"DELETE {self.key(digest)}", Key=self.key(digest))
+        self._remember(digest, None)
+        self.cache.discard(digest)
+        return had
+
+    # -- reading -------------------------------------------------------------------
+
+    def _download(self, digest: Digest) -> bytes:
+        for area in (BLOBS, TRASH):
+            key = self.key(digest, area)
+            r = self._call("get_object", f"GET {key}", Key=key)
+            if r is None:
+                continue
+            try:
+                frame = r["Body"].read()
+            except Exception as e:  # the body's stream: urllib3/botocore/socket errors alike
+                raise self._error(f"GET {key}", e) from None
+            if area == TRASH:
+                self._restore(digest)
+            return frame
+        raise MissingBlob(digest, f"not in {self.url}")
+
+    def get_frame(self, digest: Digest) -> bytes:
+        frame = self.cache.get(digest)
+        return frame if frame is not None else self._download(digest)
+
+    def _decode(self, digest: Digest, frame: bytes, verify: bool) -> bytes:
+        try:
+            raw = codec_mod.decode(frame, self.max_raw, check_crc=not verify)
+        except CodecError as e:
+            raise CorruptBlob(digest, str(e)) from None
+        if verify and digest_of(raw) != digest:
+            raise CorruptBlob(digest, "sha256 of the stored bytes does not match its name")
+        return raw
+
+    def get(self, digest: Digest, *, verify: bool = True) -> bytes:
+        """The raw bytes of *digest*, verified: from the cache, else from the bucket."""
+        frame = self.cache.get(digest)
+        if frame is not None:
+            try:
+                return self._decode(digest, frame, verify)
+            except CorruptBlob:
+                self.cache.discard(digest)  # a damaged cache entry: the bucket has the blob
+        frame = self._download(digest)
+        raw = self._decode(digest, frame, verify)
+        self._cache_frame(digest, frame)
+        return raw
+
+    def header(self, digest: Digest) -> codec_mod.FrameHeader:
+        head = self.cache.head(digest)
+        if head is None:
+            key = self.key(digest)
+            r = self._call("get_object", f"GET {key}", Key=key, Range=f"bytes=0-{codec_mod.HEADER_SIZE - 1}")
+            if r is None:
+                raise MissingBlob(digest, f"not in {self.url}")
+            try:
+                head = r["Body"].read()
+            except Exception as e:
+                raise self._error(f"GET {key}", e) from None
+        try:
+            return codec_mod.read_header(head)
+        except CodecError as e:
+            raise CorruptBlob(digest, str(e)) from None
+
+    # -- listing -------------------------------------------------------------------
+
+    def list_area(self, area: str) -> Iterator[tuple[str, int, float]]:
+        """(key below PREFIX/area, size, last-modified epoch seconds) of every object there."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        base = self.prefix + area
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                               Prefix=base):
+                for o in page.get("Contents", ()):
+                    yield o["Key"][len(base):], int(o["Size"]), o["LastModified"].timestamp()
+        except (BotoCoreError, ClientError, OSError) as e:
+            raise self._error(f"listing {base}", e) from None
+
+    def iter_blobs(self, area: str = BLOBS) -> Iterator[tuple[Digest, int, float]]:
+        """(digest, stored size, last modified) of every blob object (or trash entry)."""
+        for rest, size, mtime in self.list_area(area):
+            sub, _, name = rest.partition("/")
+            d = "sha256:" + name
+            if is_digest(d) and name.startswith(sub) and len(sub) == 2:
+                yield Digest(d), size, mtime
+
+    def __iter__(self) -> Iterator[Digest]:
+        for d, _size, _mtime in self.iter_blobs():
+            yield d
+
+    def temp_files(self) -> Iterator[Path]:
+        """Leftover temp files of the local cache (uploads leave none in the bucket)."""
+        return self.cache.store.temp_files()
+
+    def path(self, digest: Digest) -> Path:
+        """Where the cache keeps the frame of *digest* (the bucket is the real home)."""
+        return self.cache.store.path(digest)
+
+    def server_time(self) -> float:
+        """The object store's clock (epoch seconds), from the Date header of a cheap request."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix + MOUNTS, MaxKeys=1)
+        except (BotoCoreError, ClientError, OSError) as e:
+            raise self._error("listing the bucket", e) from None
+        date = r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        try:
+            return email.utils.parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError):
+            return time.time()
+
+    # -- small objects (manifests, registrations) -------------------------------
+
+    def get_object(self, key: str) -> tuple[bytes, dict] | None:
+        """(body, metadata) of PREFIX/key, or None."""
+        full = self.prefix + key
+        r = self._call("get_object", f"GET {full}", Key=full)
+        if r is None:
+            return None
+        try:
+            body = r["Body"].read()
+        except Exception as e:
+            raise self._error(f"GET {full}", e) from None
+        meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
+        meta["last_modified"] = r["LastModified"].timestamp() if r.get("LastModified") else 0.0
+        return body, meta
+
+    def put_object(self, key: str, body: bytes, metadata: dict | None = None, *,
+                   if_absent: bool = False) -> bool:
+        """Write PREFIX/key; with *if_absent*, False (and nothing written) if it exists."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        full = self.prefix + key
+        kw = dict(Bucket=self.bucket, Key=full, Body=body, Metadata=metadata or {})
+        if if_absent:
+            if self._head(full) is not None:
+                return False
+            if self._conditional_put:
+                kw["IfNoneMatch"] = "*"
+        try:
+            self.client.put_object(**kw)
+        except ClientError as e:
+            if _status(e) == 412:
+                return False
+            raise self._error(f"PUT {full}", e) from None
+        except (BotoCoreError, OSError) as e:
+            raise self._error(f"PUT {full}", e) from None
+        return True
+
+    def delete_object(self, key: str) -> None:
+        full = self.prefix + key
+        self._call("delete_object", f"DELETE {full}", Key=full)
+
+    def copy_object(self, src: str, dst: str) -> bool:
+        """Server-side copy PREFIX/src → PREFIX/dst; False if src is gone."""
+        r = self._call("copy_object", f"copying {self.prefix + src}", Key=self.prefix + dst,
+                       CopySource={"Bucket": self.bucket, "Key": self.prefix + src},
+                       MetadataDirective="COPY")
+        return r is not None
+
+
+def _status(e) -> int:
+    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def _code(e) -> str:
+    return str(e.response.get("Error", {}).get("Code") or "")
+
+
+class S3PutBatch:
+    """Uploads running on the store's pool; :meth:`sync` waits for every one of them."""
+
+    def __init__(self):
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+
+    def _add(self, fut: Future) -> None:
+        with self._lock:
+            self._futures.append(fut)
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def sync(self) -> list[Digest]:
+        """Return once every upload so far is in the bucket; raise the first failure."""
+        with self._lock:
+            futures, self._futures = self._futures, []
+        error = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # wait for all, so no upload outlives the caller
+                error = error or e
+        if error is not None:
+            raise error
+        return []
+
+
+class FrameCache:
+    """Frames of recently used blobs under ``root/blobs`` (the local store's layout), LRU by bytes.
+
+    Disposable: written without fsync, verified on every read like any blob,
+    and evicted oldest first (order kept across restarts by the files' mtimes).
+    """
+
+    def __init__(self, root: Path, limit: int):
+        self.store = LocalBlobStore(root)
+        self.limit = limit
+        self.used = 0
+        self._lru: OrderedDict[str, int] | None = None
+        self._lock = threading.Lock()
+
+    def _index(self) -> OrderedDict[str, int]:
+        if self._lru is None:
+            found = []
+            for d in self.store:
+                try:
+                    st = self.store.path(d).stat()
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime, d, st.st_size))
+            found.sort()
+            self._lru = OrderedDict((d, size) for _, d, size in found)
+            self.used = sum(self._lru.values())
+            self._evict()
+        return self._lru
+
+    def _evict(self) -> None:
+        while self.used > self.limit and self._lru:
+            d, size = self._lru.popitem(last=False)
+            self.used -= size
+            try:
+                os.unlink(self.store.path(Digest(d)))
+            except OSError:
+                pass
+
+    def get(self, digest: Digest) -> bytes | None:
+        with self._lock:
+            lru = self._index()
+            if digest not in lru:
+                return None
+            lru.move_to_end(digest)
+        path = self.store.path(digest)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            os.utime(path)
+        except OSError:
+            self.discard(digest)
+            return None
+        return data
+
+    def head(self, digest: Digest) -> bytes | None:
+        with self._lock:
+            if digest not in self._index():
+                return None
+        try:
+            with open(self.store.path(digest), "rb") as f:
+                return f.read(codec_mod.HEADER_SIZE)
+        except OSError:
+            return None
+
+    def put(self, digest: Digest, frame: bytes) -> None:
+        if len(frame) > self.limit:
+            return
+        with self._lock:
+            if digest in self._index():
+                return
+        path = self.store.path(digest)
+        tmp = path.parent / f"{_TMP_PREFIX}{path.name[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(frame)
+            os.rename(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return  # a full or missing cache folder costs speed, not data
+        with self._lock:
+            lru = self._index()
+            if digest not in lru:
+                lru[digest] = len(frame)
+                self.used += len(frame)
+            self._evict()
+
+    def discard(self, digest: Digest) -> None:
+        with self._lock:
+            size = self._index().pop(digest, None)
+            if size is not None:
+                self.used -= size
+        try:
+            os.unlink(self.store.path(digest))
+        except OSError:
+            pass
+
+    def __contains__(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._index()
