@@ -143,6 +143,7 @@ class Daemon:
         self.ops = None
         self.db = None
         self.remote = None  # pffs.remote.RemoteMount of an S3 store
+        self.live = None    # pffs.live.server.LiveEngines: the engine socket and engines/
 
     def prepare(self) -> None:
         from .fs.content import ContentStore
@@ -183,6 +184,10 @@ class Daemon:
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
         self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
+        from .live.server import LiveEngines
+        self.live = LiveEngines(st.socket_path)
+        self.live.listen()
+        self.ops.virtual.attach_live(self.live.view)
         if st.url is not None:
             from .remote import attach
             self.remote = attach(self)
@@ -200,6 +205,7 @@ class Daemon:
             nursery.start_soon(self._signals, nursery)
             nursery.start_soon(self._periodic)
             nursery.start_soon(self._syncer)
+            nursery.start_soon(self.live.serve)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
         with trio.CancelScope(shield=True):
@@ -265,6 +271,8 @@ class Daemon:
                 log.info("timing %-12s %8d calls %9.3f s %8.1f us/call", name, n, total, total / n * 1e6)
         if self.remote is not None:
             self.remote.stop()
+        if self.live is not None:
+            self.live.close()
         if self.db is not None:
             self.snapshot()
             self.db.close()

@@ -211,7 +211,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def lookup(self, parent_inode, name, ctx=None):
-        v = self.virtual.lookup(parent_inode, name)
+        v = await self.virtual.lookup(parent_inode, name, ctx)
         if v is not None:
             return v
         if len(name) > ns.NAME_MAX:
@@ -249,13 +249,13 @@ class Operations(pyfuse3.Operations):
     @handler
     async def getattr(self, inode, ctx=None):
         if self.virtual.owns(inode):
-            return self.virtual.getattr(inode)
+            return await self.virtual.stat(inode, ctx)
         return self._getattr(inode)
 
     @handler
     async def setattr(self, inode, attr, fields, fh, ctx):
         if self.virtual.owns(inode):
-            raise FUSEError(errno.EPERM)
+            return await self.virtual.setattr(inode, attr, fields, fh, ctx)
         node = ns.get_inode(self.db.ro, inode)
         if fields.update_size:
             if not node.is_reg:
@@ -306,6 +306,8 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def mkdir(self, parent_inode, name, mode, ctx):
+        if self.virtual.owns(parent_inode):
+            return await self.virtual.mkdir(parent_inode, name, mode, ctx)
         mode = stat.S_IFDIR | (stat.S_IMODE(mode) & ~ctx.umask)
         return await self._make(parent_inode, name, mode, ctx)
 
@@ -324,6 +326,8 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
+        if self.virtual.owns(parent_inode):
+            return await self.virtual.create(parent_inode, name, mode, flags, ctx)
         mode = stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask)
         attr = await self._make(parent_inode, name, mode, ctx)
         fh = self._open_handle(attr.st_ino, flags, ctx)
@@ -331,6 +335,8 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
+        if self.virtual.owns(parent_inode):
+            return await self.virtual.unlink(parent_inode, name, ctx)
         if self.virtual.reserved(parent_inode, name):
             raise FUSEError(errno.EPERM)
         ino, deleted = await self.db.write(ns.unlink, parent_inode, name, self._in_use)
@@ -339,6 +345,8 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
+        if self.virtual.owns(parent_inode):
+            return await self.virtual.rmdir(parent_inode, name, ctx)
         if self.virtual.reserved(parent_inode, name):
             raise FUSEError(errno.EPERM)
         ino, deleted = await self.db.write(ns.rmdir, parent_inode, name, self._in_use)
@@ -347,6 +355,9 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        if self.virtual.owns(parent_inode_old) or self.virtual.owns(parent_inode_new):
+            return await self.virtual.rename(parent_inode_old, name_old, parent_inode_new,
+                                             name_new, flags, ctx)
         if (self.virtual.reserved(parent_inode_old, name_old)
                 or self.virtual.reserved(parent_inode_new, name_new)):
             raise FUSEError(errno.EPERM)
@@ -461,7 +472,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def open(self, inode, flags, ctx):
         if self.virtual.owns(inode):
-            return self.virtual.open(inode, flags)
+            return await self.virtual.open(inode, flags, ctx)
         # (The kernel sends opendir, never open, for a directory.)
         fh = self._open_handle(inode, flags, ctx)
         if self.nursery is not None and (flags & os.O_ACCMODE) != os.O_WRONLY:
@@ -597,6 +608,8 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def write(self, fh, off, buf):
+        if fh in self.virtual.handles:
+            return await self.virtual.write(fh, off, buf)
         of = self.handles[fh]
         if not of.writable:
             raise FUSEError(errno.EBADF)
@@ -692,7 +705,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def flush(self, fh):
         if fh in self.virtual.handles:
-            return
+            return await self.virtual.flush(fh)
         of = self.handles[fh]
         st = self.states.get(of.ino)
         if st is not None and st.staging is not None and st.staging.dirty:
@@ -725,7 +738,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def opendir(self, inode, ctx):
         if self.virtual.owns(inode):
-            return inode
+            return await self.virtual.opendir(inode, ctx)
         node = ns.get_inode(self.db.ro, inode)
         if not node.is_dir:
             raise FUSEError(errno.ENOTDIR)
@@ -743,12 +756,15 @@ class Operations(pyfuse3.Operations):
         for row in cur:
             node = ns.Inode(*row[2:])
             if not pyfuse3.readdir_reply(token, row[1], self._attrs(node), row[0]):
-                break
+                return
             self._lookup_inc(node.id)
+        if fh == ns.ROOT_INODE:
+            self.virtual.readdir_root(start_id, token)
 
     @handler
     async def releasedir(self, fh):
-        return
+        if self.virtual.owns(fh):
+            self.virtual.releasedir(fh)
 
     @handler
     async def fsyncdir(self, fh, datasync):

@@ -36,12 +36,22 @@ class VirtualTree:
         self.handles: dict[int, bytes] = {}
         self._next_fh = FH_BASE
         self._t = ns.now_ns()
+        #: pffs.live.view.LiveView while the daemon serves live engines (``engines/``)
+        self.live = None
+
+    def attach_live(self, view) -> None:
+        """Serve ``engines/`` through *view*; its open files share this handle table."""
+        self.live = view
+        view.handles = self.handles
+
+    def _live_owns(self, ino: int) -> bool:
+        return self.live is not None and self.live.owns(ino)
 
     def owns(self, ino: int) -> bool:
         return ino >= VIRT_BASE
 
     def reserved(self, parent: int, name: bytes) -> bool:
-        return (parent == ns.ROOT_INODE and name == b".pffs") or self.owns(parent)
+        return (parent == ns.ROOT_INODE and name in (b".pffs", b"engines")) or self.owns(parent)
 
     def _attr(self, ino: int, mode: int, size: int, nlink: int = 1) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -79,7 +89,11 @@ class VirtualTree:
             return self._attr(ino, stat.S_IFREG | 0o444, len(self._content(ino)))
         raise FUSEError(errno.ENOENT)
 
-    def lookup(self, parent: int, name: bytes):
+    async def lookup(self, parent: int, name: bytes, ctx=None):
+        if self.live is not None:
+            v = await self.live.lookup(parent, name, ctx)
+            if v is not None:
+                return v
         if parent == ns.ROOT_INODE and name == b".pffs":
             return self.getattr(PFFS_DIR)
         if parent == PFFS_DIR:
@@ -94,7 +108,14 @@ class VirtualTree:
             return self.socket_path
         return None
 
-    def open(self, ino: int, flags: int) -> pyfuse3.FileInfo:
+    async def stat(self, ino: int, ctx=None) -> pyfuse3.EntryAttributes:
+        if self._live_owns(ino):
+            return await self.live.getattr(ino, ctx)
+        return self.getattr(ino)
+
+    async def open(self, ino: int, flags: int, ctx=None) -> pyfuse3.FileInfo:
+        if self._live_owns(ino):
+            return await self.live.open(ino, flags, ctx)
         if ino == PFFS_DIR:
             raise FUSEError(errno.EISDIR)
         if (flags & os.O_ACCMODE) != os.O_RDONLY:
@@ -105,12 +126,20 @@ class VirtualTree:
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return self.handles[fh][off:off + size]
+        h = self.handles[fh]
+        if not isinstance(h, bytes):
+            return await self.live.read(h, off, size)
+        return h[off:off + size]
 
     def release(self, fh: int) -> None:
-        self.handles.pop(fh, None)
+        h = self.handles.pop(fh, None)
+        if h is not None and not isinstance(h, bytes):
+            self.live.release(h)
 
     async def readdir(self, fh: int, start_id: int, token) -> None:
+        if self.live is not None and self.live.owns_dir_handle(fh):
+            await self.live.readdir(fh, start_id, token)
+            return
         if fh != PFFS_DIR:
             raise FUSEError(errno.ENOTDIR)
         entries = sorted(_FILES.items(), key=lambda kv: kv[1])
@@ -119,3 +148,54 @@ class VirtualTree:
                 continue
             if not pyfuse3.readdir_reply(token, name, self.getattr(ino), ino):
                 break
+
+    # -- engines/ (pffs.live.view): routes for what only it can do ---------------
+
+    def _need_live(self, ino: int):
+        if not self._live_owns(ino):
+            raise FUSEError(errno.EPERM)
+        return self.live
+
+    async def opendir(self, ino: int, ctx=None) -> int:
+        if self._live_owns(ino):
+            return await self.live.opendir(ino, ctx)
+        return ino
+
+    def releasedir(self, fh: int) -> None:
+        if self.live is not None:
+            self.live.releasedir(fh)
+
+    def readdir_root(self, start_id: int, token) -> None:
+        if self.live is not None:
+            self.live.readdir_root(start_id, token)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self.handles[fh]
+        if isinstance(h, bytes):
+            raise FUSEError(errno.EBADF)
+        return await self.live.write(h, off, buf)
+
+    async def flush(self, fh: int) -> None:
+        h = self.handles.get(fh)
+        if h is not None and not isinstance(h, bytes):
+            await self.live.flush(h)
+
+    async def setattr(self, ino, attr, fields, fh, ctx):
+        return await self._need_live(ino).setattr(ino, attr, fields, fh, ctx)
+
+    async def mkdir(self, parent, name, mode, ctx):
+        return await self._need_live(parent).mkdir(parent, name, mode, ctx)
+
+    async def create(self, parent, name, mode, flags, ctx):
+        return await self._need_live(parent).create(parent, name, mode, flags, ctx)
+
+    async def unlink(self, parent, name, ctx):
+        await self._need_live(parent).unlink(parent, name, ctx)
+
+    async def rmdir(self, parent, name, ctx):
+        await self._need_live(parent).rmdir(parent, name, ctx)
+
+    async def rename(self, p_old, n_old, p_new, n_new, flags, ctx):
+        if not (self._live_owns(p_old) or self._live_owns(p_new)):
+            raise FUSEError(errno.EPERM)
+        await self.live.rename(p_old, n_old, p_new, n_new, flags, ctx)

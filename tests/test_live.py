@@ -1,0 +1,425 @@
+"""Live engines through a real mount (SPEC §3 engines/, §5): snapshots of running
+requests equal the bridge's own page-out, sessions copied into an engine continue
+bit for bit, snapshots stay consistent while the engine decodes, an engine killed
+mid-copy fails the copy with EIO and leaves the daemon serving, and every refusal
+(other uid, taken name, no free blocks, another model) changes nothing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from engine_bridge.agent import Agent, ReferenceAdapter
+from engine_bridge.reference import ReferenceEngine
+from mountutil import wait_for
+from pffs import manifest as mf
+from pffs.live import protocol
+from sessions import digest, tree_digest
+
+SEED = 11
+PROMPT = [(29 * i + 7) % 512 for i in range(53)]
+DEADLINE = 60.0
+
+
+class EngineProc:
+    """A reference engine in its own process, attached to a mount, driven over its stdin/stdout."""
+
+    def __init__(self, mnt, name: str, *, blocks: int = 256, staging: str = "1M", seed: int = SEED,
+                 expect_attach: bool = True):
+        self.name = name
+        self.stderr_path = mnt.path.parent / f"engine-{name}-{time.monotonic_ns()}.txt"
+        self._err = open(self.stderr_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine_bridge.agent", str(mnt.path), "--name", name, "--control",
+             "--blocks", str(blocks), "--staging", staging, "--seed", str(seed)],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
+        self._buf = b""
+        self.hello = self._reply()
+        if expect_attach:
+            assert self.hello.get("ok"), f"engine {name} did not attach: {self.hello} {self.stderr()}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def _reply(self, timeout: float = DEADLINE) -> dict:
+        end = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"engine {self.name} did not answer within {timeout:.0f} s\n{self.stderr()}")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise AssertionError(f"engine {self.name} exited {self.proc.wait()}\n{self.stderr()}")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def __call__(self, cmd: str, **args) -> dict:
+        self.proc.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
+        self.proc.stdin.flush()
+        r = self._reply()
+        assert r.pop("ok"), f"engine {self.name}: {cmd}: {r}"
+        return r
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)     # in case a test stopped it
+            try:
+                self.proc.stdin.write(b'{"cmd": "exit"}\n')
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(DEADLINE)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._err.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def engines():
+    """Start engine processes; all are stopped (and their exit checked) at the end."""
+    started: list[EngineProc] = []
+
+    def start(mnt, name, **kw) -> EngineProc:
+        e = EngineProc(mnt, name, **kw)
+        started.append(e)
+        return e
+    yield start
+    for e in started:
+        e.close()
+
+
+def run(*cmd, check=True, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=DEADLINE, **kw)
+    if check and r.returncode:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {r.returncode}: {r.stderr}")
+    return r
+
+
+def listing(path: Path) -> list[str]:
+    return sorted(os.listdir(path))
+
+
+def by_position(prompt_len: int, *step_logs) -> dict[int, str]:
+    """Logits digests of a sequence by the position of the token they chose."""
+    out, pos = {}, prompt_len
+    for logs in step_logs:
+        for d in logs:
+            out[pos] = d
+            pos += 1
+    return out
+
+
+def assert_self_consistent(session: Path) -> mf.Manifest:
+    """Every page file's sha256 is the digest manifest.json lists for it."""
+    m = mf.parse((session / "manifest.json").read_bytes())
+    assert sorted(os.listdir(session / "pages")) == [mf.page_name(i) for i in range(len(m.pages))]
+    for i, d in enumerate(m.pages):
+        assert digest((session / "pages" / mf.page_name(i)).read_bytes()) == d, i
+    return m
+
+
+# ---------------------------------------------------------------------------------- snapshots
+
+
+def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engines, tmp_path):
+    assert "engines" not in listing(mnt.path)
+    e1 = engines(mnt, "e1")
+    e1("add", id="req-1", prompt=PROMPT)
+    first = e1("step", ids=["req-1"], n=30)
+    assert "engines" in listing(mnt.path)
+    assert listing(mnt / "engines") == ["e1"]
+    assert listing(mnt / "engines/e1") == ["req-1"]
+    live = mnt / "engines/e1/req-1"
+    assert listing(live) == ["manifest.json", "pages"]
+
+    # cp -r of the live request is byte for byte the bridge's own page-out.
+    run("cp", "-r", live, mnt / "snap")
+    e1("page_out", ids=["req-1"], dest=str(tmp_path / "direct"))
+    assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
+    m = assert_self_consistent(mnt / "snap")
+    tokens = e1("state")["seqs"]["req-1"]["tokens"]
+    assert m.logical_seqs[0].token_ids == tokens[:-1]       # KV covers all but the newest token
+
+    # Copied into a second engine, it becomes one of that engine's live sessions ...
+    e2 = engines(mnt, "e2")
+    assert listing(mnt / "engines") == ["e1", "e2"]
+    run("cp", "-r", mnt / "snap", mnt / "engines/e2/")
+    assert listing(mnt / "engines/e2") == ["snap"]
+    assert e2("state")["groups"] == {"snap": ["req-1"]}
+    back = mf.parse((mnt / "engines/e2/snap/manifest.json").read_bytes())
+    assert back.pages == m.pages and back.logical_seqs[0].token_ids == tokens[:-1]
+
+    # ... and continues bit for bit like e1 uninterrupted: the first step replays
+    # e1's last one from the restored KV, then the same tokens and logits follow.
+    want = e1("step", ids=["req-1"], n=20)
+    replay = e2("step", ids=["req-1"], n=1)
+    assert replay["tokens"]["req-1"] == first["tokens"]["req-1"][-1:]
+    assert replay["logits"]["req-1"] == first["logits"]["req-1"][-1:]
+    got = e2("step", ids=["req-1"], n=20)
+    assert got == want
+
+    # Readers see a fresh snapshot once the sequence grew.
+    grown = assert_self_consistent(mnt / "engines/e2/snap")
+    assert len(grown.logical_seqs[0].token_ids) == len(tokens) - 1 + 20
+    # Nothing pins blocks once readers are done: a request that ends frees them all.
+    e1("remove", id="req-1")
+    wait_for(lambda: e1("state")["free"] == 256, what="e1's blocks released")
+    assert listing(mnt / "engines/e1") == []
+
+
+def test_snapshots_stay_consistent_while_the_engine_decodes(mnt, engines):
+    e1 = engines(mnt, "e1")
+    e2 = engines(mnt, "e2")
+    e1("add", id="r", prompt=PROMPT)
+    first = e1("step", ids=["r"], n=3)
+    e1("run", ids=["r"])
+    copies = []
+    for k in range(3):
+        dest = mnt / f"copy{k}"
+        run("cp", "-r", mnt / "engines/e1/r", dest)
+        copies.append(dest)
+    # Wait until the engine decoded past the last copy, so there is a continuation to compare.
+    last_len = len(mf.parse((copies[-1] / "manifest.json").read_bytes()).logical_seqs[0].token_ids)
+    wait_for(lambda: len(mf.parse((mnt / "engines/e1/r/manifest.json").read_bytes())
+                         .logical_seqs[0].token_ids) > last_len + 8, what="decoding past the copies")
+    history = e1("pause")
+    tokens = e1("state")["seqs"]["r"]["tokens"]
+    logits = by_position(len(PROMPT), first["logits"]["r"], history["logits"]["r"])
+
+    lengths = []
+    for dest in copies:
+        m = assert_self_consistent(dest)
+        toks = m.logical_seqs[0].token_ids
+        assert toks == tokens[:len(toks)]
+        lengths.append(len(toks))
+    assert lengths == sorted(lengths) and lengths[0] > len(PROMPT)
+
+    # The last copy (taken while decoding) continues in e2 exactly as e1 went on.
+    n = lengths[-1]
+    run("cp", "-r", copies[-1], mnt / "engines/e2/")
+    got = e2("step", ids=["r"], n=8)
+    assert got["tokens"]["r"] == tokens[n:n + 8]
+    assert got["logits"]["r"] == [logits[p] for p in range(n, n + 8)]
+
+
+# ---------------------------------------------------------------------------------- failures
+
+
+# read(2) and copy_file_range(2) (cp copies with the latter, the kernel splicing through reads).
+_READ_SYSCALLS = {"x86_64": {"0", "326"}, "aarch64": {"63", "285"}}.get(os.uname().machine, {"0"})
+
+
+def _blocked_reading_live_page(pid: int, live_root: Path) -> bool:
+    """Whether process *pid* sleeps reading a file under *live_root* (the daemon waits on the engine)."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            fields = f.read().split()
+        if not fields or fields[0] not in _READ_SYSCALLS:
+            return False
+        target = os.readlink(f"/proc/{pid}/fd/{int(fields[1], 16)}")
+    except (OSError, ValueError, IndexError):
+        return False
+    return target.startswith(str(live_root))
+
+
+def test_engine_killed_during_copy(mount_factory, engines):
+    mnt = mount_factory()
+    mnt.allow(r"engine e1 \(pid \d+\) went away")
+    e1 = engines(mnt, "e1", staging="32K")      # two staging slots: reads keep asking the engine
+    e2 = engines(mnt, "e2")
+    for k in range(3):
+        e1("add", id=f"big{k}", prompt=[(13 * i + k) % 512 for i in range(800)])
+    e1("step", n=2)
+    e2("add", id="other", prompt=PROMPT)
+    e2("step", n=2)
+    run("cp", "-r", mnt / "engines/e2/other", mnt / "kept")
+
+    out = mnt / "out"
+    cp = subprocess.Popen(["cp", "-r", str(mnt / "engines/e1"), str(out)], stderr=subprocess.PIPE,
+                          text=True)
+    try:
+        wait_for(lambda: cp.poll() is not None or len(list(out.glob("*/pages/*"))) >= 1,
+                 interval=0.001, what="cp copying pages")
+        assert cp.poll() is None, "cp finished before the engine could be stopped"
+        os.kill(e1.pid, signal.SIGSTOP)
+        # With the engine stopped, cp soon waits in read() on a page the engine must gather.
+        wait_for(lambda: _blocked_reading_live_page(cp.pid, mnt / "engines"), what="cp blocked in a read")
+        t0 = time.monotonic()
+        os.kill(e1.pid, signal.SIGKILL)
+        _, err = cp.communicate(timeout=DEADLINE)
+        took = time.monotonic() - t0
+    finally:
+        if cp.poll() is None:
+            cp.kill()
+            cp.wait()
+    assert cp.returncode != 0
+    assert "Input/output error" in err, err
+    assert took < 5.0, f"cp took {took:.1f} s to fail"
+    e1.proc.wait(DEADLINE)
+
+    # The daemon serves the rest: the engine's folder is gone, the others work.
+    wait_for(lambda: listing(mnt / "engines") == ["e2"], what="e1 gone from engines/")
+    assert_self_consistent(mnt / "kept")
+    run("cp", "-r", mnt / "engines/e2/other", mnt / "kept2")
+    assert_self_consistent(mnt / "kept2")
+    # The engine can attach again under the same name.
+    again = engines(mnt, "e1")
+    again("add", id="fresh", prompt=PROMPT)
+    again("step", n=1)
+    assert listing(mnt / "engines/e1") == ["fresh"]
+    assert_self_consistent(mnt / "engines/e1/fresh")
+    e2.close()
+    again.close()
+    wait_for(lambda: "engines" not in listing(mnt.path), what="engines/ gone with the last engine")
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+
+_OTHER_UID_CLIENT = textwrap.dedent("""
+    import errno, json, os, sys
+    from pffs.live import protocol
+    path = f"/proc/self/fd/{sys.argv[1]}/engine.sock"
+    try:
+        sock = protocol.connect(path)
+    except PermissionError:
+        print(json.dumps({"uid": os.getuid(), "refused_by": "mode"}))
+        sys.exit(0)
+    fd = os.memfd_create("x", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 2 * 16384)
+    import fcntl
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    geo = {"page_size_tokens": 16, "n_layers": 4, "n_heads": 2, "head_dim": 16, "dtype": "f32"}
+    try:
+        protocol.register(protocol.Channel(sock), {"name": "intruder", "pid": os.getpid(),
+                          "geometry": geo, "page_bytes": 16384, "slots": 2}, fd)
+    except protocol.Refused as e:
+        print(json.dumps({"uid": os.getuid(), "refused_by": "daemon", "errno": e.errno, "error": str(e)}))
+        sys.exit(0)
+    print(json.dumps({"uid": os.getuid(), "refused_by": None}))
+""")
+
+
+def _attach_as_nobody(store: Path) -> dict:
+    """Try to attach from a process running as uid 65534 (nobody) and report how it was refused."""
+    dirfd = os.open(store, os.O_PATH)
+    try:
+        r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                            "/usr/bin/python3", "-c", _OTHER_UID_CLIENT, str(dirfd)],
+                           pass_fds=(dirfd,), env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]},
+                           cwd="/", capture_output=True, text=True, timeout=DEADLINE)
+    finally:
+        os.close(dirfd)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _state(a: ReferenceAdapter) -> tuple:
+    e = a.engine
+    with a.lock:
+        return ({s.id: (s.n_tokens, list(s.block_ids)) for s in e.seq_blocks()}, e.allocator.free_list(),
+                {b: e.allocator.refcount(b) for b in range(e.allocator.num_blocks)})
+
+
+def test_attach_refusals(mnt):
+    mnt.allow(r"engine socket: refused pid \d+ \(uid 65534\)")
+    mnt.allow(r"engine socket: refused pid \d+ \(uid 0\): the name 'e1' is taken")
+    sock = mnt.store / "engine.sock"
+    st = os.stat(sock)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert os.readlink(mnt / ".pffs/engine.sock") == str(sock)
+
+    # Another uid: the socket's mode keeps it out ...
+    assert _attach_as_nobody(mnt.store) == {"uid": 65534, "refused_by": "mode"}
+    # ... and were the mode opened, the daemon refuses it by its credentials.
+    os.chmod(sock, 0o666)
+    try:
+        got = _attach_as_nobody(mnt.store)
+    finally:
+        os.chmod(sock, 0o600)
+    assert got["refused_by"] == "daemon" and got["errno"] == errno.EACCES, got
+
+    # A taken name.
+    e1 = ReferenceEngine(seed=SEED, name="e1")
+    with Agent(ReferenceAdapter(e1), mnt.path, "e1", staging_bytes=1 << 20) as a1:
+        dup = Agent(ReferenceAdapter(ReferenceEngine(seed=SEED)), mnt.path, "e1", staging_bytes=1 << 20)
+        with pytest.raises(protocol.Refused) as ei:
+            dup.attach()
+        assert ei.value.errno == errno.EEXIST
+        assert listing(mnt / "engines") == ["e1"]
+        assert a1.attached.is_set() and not a1.detached.is_set()
+        # Not a name the daemon can host, and engines/ itself is read-only.
+        with pytest.raises(OSError) as ei:
+            (mnt / "engines/e9").mkdir()
+        assert ei.value.errno == errno.EPERM
+    wait_for(lambda: "engines" not in listing(mnt.path), what="engines/ gone after detaching")
+    with pytest.raises(OSError) as ei:
+        (mnt / "engines").mkdir()
+    assert ei.value.errno == errno.EEXIST
+
+
+def test_page_in_refusals_leave_the_engine_as_it_was(mnt):
+    mnt.allow(r"engine e(small|other) refused the session, folder removed")
+    mnt.allow("refused manifest")
+    src = ReferenceEngine(seed=SEED, name="src")
+    src.add_request("long", [(3 * i + 1) % 512 for i in range(90)])   # 6 pages
+    src.step()
+    src.page_out(mnt / "snap")
+
+    small = ReferenceEngine(seed=SEED, num_blocks=8, name="small")
+    small.add_request("mine", PROMPT)                                   # 4 of 8 blocks
+    small.step()
+    other = ReferenceEngine(seed=SEED + 1, name="other")               # another model revision
+    a_small, a_other = ReferenceAdapter(small), ReferenceAdapter(other)
+    with Agent(a_small, mnt.path, "esmall", staging_bytes=1 << 20), \
+            Agent(a_other, mnt.path, "eother", staging_bytes=1 << 20):
+        for engine, name, err in ((a_small, "esmall", "No space left on device"),
+                                  (a_other, "eother", "Invalid argument")):
+            before = _state(engine)
+            r = run("cp", "-r", mnt / "snap", mnt / "engines" / name / "", check=False)
+            assert r.returncode != 0 and err in r.stderr, r.stderr
+            assert _state(engine) == before
+            assert "snap" not in listing(mnt / "engines" / name)
+        assert "refused the session" in mnt.log_text()
+
+        # A manifest that is not one is refused at its close, like anywhere in the mount.
+        (mnt / "engines/esmall/bad").mkdir()
+        with pytest.raises(OSError) as ei:
+            (mnt / "engines/esmall/bad/manifest.json").write_text("{not json")
+        assert ei.value.errno == errno.EINVAL
+        run("rm", "-rf", mnt / "engines/esmall/bad")
+        assert listing(mnt / "engines/esmall") == ["mine"]
+
+        # rsync (temp files renamed into place) pages a session in too, once there is room.
+        with a_small.lock:
+            small.remove("mine")
+        wait_for(lambda: small.allocator.num_free() == 8, what="esmall's blocks released")
+        run("rsync", "-a", f"{mnt / 'snap'}/", mnt / "engines/esmall/synced/")
+        assert listing(mnt / "engines/esmall") == ["synced"]
+        with a_small.lock:
+            assert [s.id for s in small.seq_blocks()] == ["long"]
+        assert_self_consistent(mnt / "engines/esmall/synced")
+        assert tree_digest(mnt / "engines/esmall/synced/pages") == tree_digest(mnt / "snap/pages")
