@@ -27,9 +27,6 @@ from .namespace import BLOCK_SIZE, EMPTY_DIGEST, ROOT_INODE, path_of, read_file
 from .store.local import LocalBlobStore
 from .types import Digest
 
-S_IFDIR = stat.S_IFDIR
-S_IFREG = stat.S_IFREG
-
 
 @dataclass
 class BlobStatus:
@@ -130,7 +127,8 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
         r.notes.append(f"unreferenced blob {d} {why}")
     orphans = s.on_disk - set(s.indexed)
     if orphans:
-        r.notes.append(f"{len(orphans)} stored blobs are not indexed (left by interrupted writes; gc removes them)")
+        r.notes.append(f"{len(orphans)} stored blobs are not indexed"
+                       " (left by interrupted writes; gc removes them)")
     r.counts["garbage_blobs"] = len(set(s.indexed) - s.held - s.listed)
 
     _check_files(conn, r)

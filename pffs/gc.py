@@ -30,7 +30,7 @@ from . import namespace as ns
 from .errors import PffsError, StoreFull
 from .reserve import SpaceReserve
 from .storedir import StoreBusy, StoreDir
-from .store.local import _TMP_PREFIX
+from .store.local import _TMP_PREFIX, LocalBlobStore
 from .types import Digest, is_digest
 
 DEFAULT_GRACE = 600.0
@@ -100,6 +100,8 @@ def _open(store: StoreDir) -> tuple[bool, sqlite3.Connection]:
     """(mounted, connection); takes the store lock when nobody mounts the store."""
     if not store.exists():
         raise PffsError(f"{store.root}: no pffs store here")
+    if not isinstance(store.blobs, LocalBlobStore):
+        raise PffsError(f"{store.root}: gc works on a local store only (this one keeps its blobs elsewhere)")
     try:
         store.lock("pffs gc")
         mounted = False

@@ -40,6 +40,7 @@ from . import manifest as mf
 from . import namespace as ns
 from .errors import IntegrityError, PffsError
 from .snapshots import list_snapshots
+from .store.local import LocalBlobStore
 from .storedir import StoreDir
 from .types import Digest
 
@@ -204,6 +205,9 @@ def _insert_row(conn: sqlite3.Connection, row: ns.BlobRow) -> None:
 def repair(store: StoreDir, *, read_data: bool = False, say: Callable[[str], None] | None = None,
            progress: Callable[[int, int], None] | None = None) -> RepairResult:
     """Repair an unmounted store whose lock the caller holds; the result holds a fresh check."""
+    if not isinstance(store.blobs, LocalBlobStore):
+        raise PffsError(f"{store.root}: repair works on a local store only"
+                        " (this one keeps its blobs elsewhere)")
     result = RepairResult()
     snapshot_time = None
     why = database_damaged(store) if store.db_path.exists() else "no namespace database"
@@ -252,7 +256,8 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
     for (parent, name, ino) in conn.execute(
             "SELECT parent, name, inode FROM dentries WHERE inode NOT IN (SELECT id FROM inodes)").fetchall():
         conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
-        _say(result, say, f"dropped entry {name!r} in {ns.path_of(conn, parent)} (inode {ino} does not exist)")
+        _say(result, say, f"dropped entry {name!r} in {ns.path_of(conn, parent)}"
+                          f" (inode {ino} does not exist)")
     for (parent, name, ino) in conn.execute(
             "SELECT d.parent, d.name, d.inode FROM dentries d LEFT JOIN inodes i ON i.id = d.parent"
             " WHERE i.id IS NULL OR (i.mode & 61440) != 16384").fetchall():
@@ -313,10 +318,10 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
         lf = _lost_found(conn)
         name = _free_name(conn, lf, b"#%d" % ino)
         _relink(conn, ino, lf, name)
-        _say(result, say, f"inode {ino} was cut off from the root (a directory cycle): now /lost+found/{name.decode()}")
+        _say(result, say, f"inode {ino} was cut off from the root (a directory cycle):"
+                          f" now /lost+found/{name.decode()}")
 
     # Link counts last: every move above changed them.
-    fixed = 0
     for ino, mode, nlink, names, subdirs in conn.execute(
             "SELECT i.id, i.mode, i.nlink,"
             " (SELECT COUNT(*) FROM dentries d WHERE d.inode = i.id),"
@@ -326,7 +331,6 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
         want = 2 + subdirs if stat.S_ISDIR(mode) else names
         if nlink != want and (names or ino == ns.ROOT_INODE):
             conn.execute("UPDATE inodes SET nlink=? WHERE id=?", (want, ino))
-            fixed += 1
             _say(result, say, f"{ns.path_of(conn, ino)}: link count {nlink} set to {want}")
 
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from lifecycle_helpers import copy_file, session_files
-from mountutil import lazy_unmount, pffs, wait_for
+from mountutil import pffs, wait_for
 from sessions import varied_pages, write_session
 
 PAGE_SESSIONS = 28          # x 50 pages of 144 KiB: about 200 MiB

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle_helpers import copy_file, gc, run, stats
+from lifecycle_helpers import gc, run, stats
+from mountutil import wait_for
 from pffs import manifest as mf
 from sessions import make_manifest, varied_pages
 
@@ -42,6 +43,11 @@ def fill_until_enospc(m, bf16_pages, per_session: int, limit: int = 400) -> dict
             write_session_into(m / f"s{k:03d}", pages, f"s{k}")
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
+            # The release after the failed close retries the commit, which
+            # fails too; let it answer before the test goes on (an unmount
+            # racing an unanswered release makes libfuse log an error).
+            wait_for(lambda: "staged changes dropped" in m.log_text(), what="the release")
+            (m / ".pffs" / "version").read_bytes()
             return done
         done[f"s{k:03d}"] = pages
     raise AssertionError(f"no ENOSPC after {limit} sessions")
@@ -84,7 +90,8 @@ def test_max_size_gives_enospc_and_gc_makes_room(mount_factory, bf16_pages):
 def small_tmpfs(tmp_path):
     d = tmp_path / "tmpfs"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         pytest.fail(f"cannot mount a tmpfs (root needed): {r.stderr.strip()}")
     try:
