@@ -9,6 +9,9 @@ filesystem.  Layout of the package:
 - :mod:`.bridge` — page out / page in and what page-in checks
 - :mod:`.allocator` — a reference-counting block allocator
 - :mod:`.reference` — the reference engine (a small Llama-style transformer)
+- :mod:`.transformers_adapter` — Hugging Face transformers' continuous batching
+  (imported on its own: it needs the pinned transformers release)
+- :mod:`.demo` — ``pffs demo``
 - :mod:`.errors` — why a page-in is refused
 """
 

@@ -49,6 +49,17 @@ def _stats(mnt: Path) -> dict:
     return json.loads((mnt / ".pffs" / "stats.json").read_text())
 
 
+def check_engine(engine: str) -> None:
+    """Refuse (PffsError, one line) an engine the demo cannot run here, before anything starts."""
+    if engine not in ENGINES:
+        raise PffsError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+    if engine == "transformers":
+        try:
+            from . import transformers_adapter  # noqa: F401
+        except ImportError as e:
+            raise PffsError(f"the transformers engine is not available: {e}") from None
+
+
 def _engines(engine: str, cfg: ModelConfig, dtype: str, n_tokens: int):
     """A factory of fresh engines of one kind (same weights), what they score steps by, and a description."""
     shape = f"{cfg.n_layers} layers, {cfg.n_kv_heads} KV heads x {cfg.head_dim}, {dtype}"
@@ -57,18 +68,18 @@ def _engines(engine: str, cfg: ModelConfig, dtype: str, n_tokens: int):
             return ReferenceEngine(cfg, dtype=dtype, num_blocks=256, seed=SEED, name=name)
         return make, "logits", f"reference transformer ({shape})"
     if engine == "transformers":
-        try:
-            from .transformers_adapter import TransformersEngine, llama_model
-        except ImportError as e:
-            raise PffsError(f"the transformers engine is not available: {e}") from None
+        check_engine(engine)
         import transformers
+
+        from .transformers_adapter import TransformersEngine, llama_model
 
         def make(name: str):
             return TransformersEngine(llama_model(cfg, dtype=dtype, seed=SEED), num_blocks=256,
                                       max_batch_tokens=max(512, n_tokens), name=name)
         return make, "logprobs", (f"transformers {transformers.__version__} continuous batching, "
                                   f"LlamaForCausalLM with the reference weights ({shape})")
-    raise ValueError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+    check_engine(engine)
+    raise AssertionError(engine)
 
 
 def _score(o):

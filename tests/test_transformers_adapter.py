@@ -23,6 +23,7 @@ from engine_bridge.reference import ModelConfig, ReferenceEngine  # noqa: E402
 from engine_bridge.transformers_adapter import (REQUIRED_VERSION, TransformersEngine,  # noqa: E402
                                                 llama_model)
 from mountutil import pffs  # noqa: E402
+from pffs.errors import PffsError  # noqa: E402
 from pffs.manifest import page_name  # noqa: E402
 
 SEED = 11
@@ -249,6 +250,9 @@ def test_demo_with_the_transformers_engine(mnt):
     assert "logprobs bit-identical" in text and "every continuation matched bit for bit" in text
     assert sorted(os.listdir(mnt / "demo")) == ["a", "b", "c"]
     pffs("stats", mnt.path)
+    demo.check_engine("transformers")
+    with pytest.raises(PffsError, match="unknown engine"):
+        demo.check_engine("vllm")
 
 
 # ---------------------------------------------------- a running manager
