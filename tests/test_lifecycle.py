@@ -407,3 +407,27 @@ def test_session_sink_refuses_pages_gc_removed(tmp_path, bf16_pages):
     finally:
         src.close()
     assert pffs("check", "--store", store, "--read-data").returncode == 0
+
+
+def test_repair_restores_a_snapshot_when_the_integrity_check_fails(mount_factory, bf16_pages, tmp_path):
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 3, salt=90)
+    write_session(tmp_path / "s", pages)
+    cp_session(tmp_path / "s", m / "s")
+    assert m.stop() == 0  # the unmount checkpoints the WAL and takes a snapshot
+    db = m.store / "namespace.db"
+    conn = sqlite3.connect(db)
+    root, size = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='dentries_name'").fetchone()[0], \
+        conn.execute("PRAGMA page_size").fetchone()[0]
+    conn.close()
+    with open(db, "r+b") as f:  # the database still opens; one index page is garbage
+        f.seek((root - 1) * size)
+        f.write(b"\xff" * size)
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1 and "DAMAGE: namespace database:" in r.stdout
+    r = pffs("check", "--store", m.store, "--repair", check=False)
+    assert r.returncode == 0, r.stdout
+    assert "restored the namespace from snapshot" in r.stdout and "after the snapshot" not in r.stdout
+    m.start()
+    assert [(m / "s" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
+    assert not (m / "lost+found").exists()
