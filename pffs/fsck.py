@@ -282,7 +282,9 @@ def run(store, *, read_data: bool = False, repair: bool = False,
     """``pffs check``: lock the unmounted store, check (and repair), print; the exit status."""
     from . import namespace as ns
     from .errors import PffsError
-    if not store.exists():
+    # Without its database a store is still one if it has blobs or snapshots: repair rebuilds it.
+    rebuildable = store.snapshot_dir.is_dir() or store.blobs.blob_root.is_dir()
+    if not store.exists() and not (repair and rebuildable):
         raise PffsError(f"{store.root}: no pffs store here")
     store.lock("pffs check --repair" if repair else "pffs check")
     try:

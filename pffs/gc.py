@@ -161,12 +161,16 @@ def _collect(store: StoreDir, conn: sqlite3.Connection, mounted: bool, grace: fl
         r.temp_removed = len(temps)
         r.removed_digests = candidates
         return r
-    for p in temps:
-        try:
-            p.unlink()
-            r.temp_removed += 1
-        except FileNotFoundError:
-            pass
+    if temps:
+        # A daemon's put writes its temp file under the shared gc lock.
+        with store.gc_lock.exclusive():
+            for p in temps:
+                try:
+                    if p.stat().st_mtime < cutoff:
+                        p.unlink()
+                        r.temp_removed += 1
+                except FileNotFoundError:
+                    pass
     done = 0
     for i in range(0, len(todo), BATCH):
         _sweep(store, conn, todo[i:i + BATCH], cutoff, r)

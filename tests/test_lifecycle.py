@@ -431,3 +431,19 @@ def test_repair_restores_a_snapshot_when_the_integrity_check_fails(mount_factory
     m.start()
     assert [(m / "s" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
     assert not (m / "lost+found").exists()
+
+
+def test_repair_rebuilds_a_deleted_database_from_its_snapshot(mount_factory, bf16_pages, tmp_path):
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 2, salt=95)
+    write_session(tmp_path / "s", pages)
+    cp_session(tmp_path / "s", m / "s")
+    assert m.stop() == 0
+    for p in m.store.glob("namespace.db*"):
+        p.unlink()
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1 and "no pffs store here" in r.stderr
+    r = pffs("check", "--store", m.store, "--repair", check=False)
+    assert r.returncode == 0 and "restored the namespace from snapshot" in r.stdout, r.stdout
+    m.start()
+    assert [(m / "s" / "pages" / mf.page_name(i)).read_bytes() for i in range(2)] == pages
