@@ -245,8 +245,11 @@ class Agent:
         if self.pool.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.pool.device)
             # Page-locked, so device -> staging copies are DMA straight into shared memory.
-            rc = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), n * pb, 0)
-            self._registered_host = int(rc) == 0
+            try:
+                rc = torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), n * pb, 0)
+                self._registered_host = int(rc) == 0
+            except (RuntimeError, AttributeError, TypeError):
+                self._registered_host = False
 
     def _info(self) -> dict[str, Any]:
         pool, bridge = self.pool, self.bridge

@@ -36,8 +36,7 @@ DEADLINE = 60.0
 class EngineProc:
     """A reference engine in its own process, attached to a mount, driven over its stdin/stdout."""
 
-    def __init__(self, mnt, name: str, *, blocks: int = 256, staging: str = "1M", seed: int = SEED,
-                 expect_attach: bool = True):
+    def __init__(self, mnt, name: str, *, blocks: int = 256, staging: str = "1M", seed: int = SEED):
         self.name = name
         self.stderr_path = mnt.path.parent / f"engine-{name}-{time.monotonic_ns()}.txt"
         self._err = open(self.stderr_path, "wb")
@@ -46,9 +45,12 @@ class EngineProc:
              "--blocks", str(blocks), "--staging", staging, "--seed", str(seed)],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
         self._buf = b""
+        self.hello = None
+
+    def wait_attached(self) -> "EngineProc":
         self.hello = self._reply()
-        if expect_attach:
-            assert self.hello.get("ok"), f"engine {name} did not attach: {self.hello} {self.stderr()}"
+        assert self.hello.get("ok"), f"engine {self.name} did not attach: {self.hello} {self.stderr()}"
+        return self
 
     @property
     def pid(self) -> int:
@@ -99,13 +101,15 @@ class EngineProc:
 
 @pytest.fixture
 def engines():
-    """Start engine processes; all are stopped (and their exit checked) at the end."""
+    """Start engine processes (several at once: each imports torch); all are stopped at the end."""
     started: list[EngineProc] = []
 
-    def start(mnt, name, **kw) -> EngineProc:
-        e = EngineProc(mnt, name, **kw)
-        started.append(e)
-        return e
+    def start(mnt, *names, **kw):
+        new = [EngineProc(mnt, name, **kw) for name in names]
+        started.extend(new)
+        for e in new:
+            e.wait_attached()
+        return new[0] if len(new) == 1 else new
     yield start
     for e in started:
         e.close()
@@ -146,11 +150,12 @@ def assert_self_consistent(session: Path) -> mf.Manifest:
 
 def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engines, tmp_path):
     assert "engines" not in listing(mnt.path)
-    e1 = engines(mnt, "e1")
+    e1, e2 = engines(mnt, "e1", "e2")
+    assert "engines" in listing(mnt.path)
+    assert listing(mnt / "engines") == ["e1", "e2"]
+    assert listing(mnt / "engines/e1") == []
     e1("add", id="req-1", prompt=PROMPT)
     first = e1("step", ids=["req-1"], n=30)
-    assert "engines" in listing(mnt.path)
-    assert listing(mnt / "engines") == ["e1"]
     assert listing(mnt / "engines/e1") == ["req-1"]
     live = mnt / "engines/e1/req-1"
     assert listing(live) == ["manifest.json", "pages"]
@@ -164,8 +169,7 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     assert m.logical_seqs[0].token_ids == tokens[:-1]       # KV covers all but the newest token
 
     # Copied into a second engine, it becomes one of that engine's live sessions ...
-    e2 = engines(mnt, "e2")
-    assert listing(mnt / "engines") == ["e1", "e2"]
+    assert listing(mnt / "engines/e2") == []
     run("cp", "-r", mnt / "snap", mnt / "engines/e2/")
     assert listing(mnt / "engines/e2") == ["snap"]
     assert e2("state")["groups"] == {"snap": ["req-1"]}
@@ -191,8 +195,7 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
 
 
 def test_snapshots_stay_consistent_while_the_engine_decodes(mnt, engines):
-    e1 = engines(mnt, "e1")
-    e2 = engines(mnt, "e2")
+    e1, e2 = engines(mnt, "e1", "e2")
     e1("add", id="r", prompt=PROMPT)
     first = e1("step", ids=["r"], n=3)
     e1("run", ids=["r"])
@@ -248,8 +251,8 @@ def _blocked_reading_live_page(pid: int, live_root: Path) -> bool:
 def test_engine_killed_during_copy(mount_factory, engines):
     mnt = mount_factory()
     mnt.allow(r"engine e1 \(pid \d+\) went away")
-    e1 = engines(mnt, "e1", staging="32K")      # two staging slots: reads keep asking the engine
-    e2 = engines(mnt, "e2")
+    # Two staging slots: reads keep asking the engine.
+    e1, e2 = engines(mnt, "e1", "e2", staging="32K")
     for k in range(3):
         e1("add", id=f"big{k}", prompt=[(13 * i + k) % 512 for i in range(800)])
     e1("step", n=2)

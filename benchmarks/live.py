@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Live-engine snapshot speed through the mount, beside the bridge's direct page-out, in one run.
+
+An engine (a KV pool with Llama-3.1-8B's geometry: 32 layers, 8 KV heads,
+head_dim 128, bf16, 16-token blocks, so 2 MiB pages) holds one sequence over
+--mib MiB of blocks in shuffled order, filled with real bf16 KV values (the
+tests' MiniLM data, tiled).  It attaches to a pffs mount started for the run,
+in this process, through engine_bridge.agent.  Prints MB/s of:
+
+- bridge page-out into memory (gather + sha256: the floor of any snapshot);
+- bridge page-out through the mount into the store (a session written by the engine);
+- a live snapshot read through the mount: manifest.json (the daemon pins the
+  blocks, gathers each page into shared staging and hashes it), then every
+  page file (served from staging, or gathered again from the pinned blocks);
+- ``cp -r`` of the live session into the store, beside the page-out through the mount.
+Needs root (FUSE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from engine_bridge import Bridge, KVPool, MemorySession, RefCountingAllocator, SeqBlocks  # noqa: E402
+from engine_bridge.agent import Agent, StepLock  # noqa: E402
+from mountutil import Mount, wait_for  # noqa: E402
+
+KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"
+
+
+class PoolAdapter:
+    """A bare pool with one long sequence: what the agent needs, without a model."""
+
+    def __init__(self, bridge: Bridge, seq: SeqBlocks):
+        self.bridge = bridge
+        self.lock = StepLock()
+        self.seq = seq
+
+    def sequences(self):
+        return [self.seq]
+
+    def pin(self, blocks):
+        self.bridge.allocator.incref(blocks)
+
+    def unpin(self, blocks):
+        self.bridge.allocator.free(blocks)
+
+    def page_in(self, source):
+        raise RuntimeError("this benchmark engine takes no sessions")
+
+
+def fill(pool: KVPool) -> str:
+    if KV_FILE.exists():
+        from safetensors.torch import load_file
+        t = load_file(str(KV_FILE))
+        src = torch.cat([t["k_bf16"].flatten(), t["v_bf16"].flatten()])
+        what = "real MiniLM bf16 KV values, tiled"
+    else:
+        src = torch.randn(1 << 22).to(torch.bfloat16)
+        what = f"random normals ({KV_FILE} missing)"
+    step = src.numel() // len(pool.layers)
+    for i, layer in enumerate(pool.layers):
+        flat = layer.view(-1)
+        flat.copy_(src.roll(-i * step).repeat(-(-flat.numel() // src.numel()))[:flat.numel()])
+    return what
+
+
+def read_tree(session: Path) -> int:
+    """Read manifest.json, then every page file, the way a copying tool does."""
+    total = 0
+    paths = [session / "manifest.json"]
+    paths += sorted((session / "pages").iterdir())
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 20):
+                total += len(chunk)
+    return total
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help="session size in MiB (2 MiB pages)")
+    ap.add_argument("--staging", type=int, default=64, help="the agent's shared staging, MiB")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (best is shown)")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    args = ap.parse_args()
+
+    n = max(2, args.mib // 2)
+    pool = KVPool.allocate(num_blocks=n + 8, block_size=16, n_layers=32, n_heads=8, head_dim=128,
+                           dtype=torch.bfloat16)
+    data = fill(pool)
+    alloc = RefCountingAllocator(pool.num_blocks)
+    blocks = alloc.allocate(n)
+    random.Random(0).shuffle(blocks)
+    n_tokens = n * 16 - 5       # a partly filled last page, as while decoding
+    seq = SeqBlocks("bench", blocks, n_tokens, [i % 128000 for i in range(n_tokens)])
+    bridge = Bridge(pool, alloc, engine_name="bench", model={"name": "bench", "revision": "0"})
+    size = n * pool.page_bytes
+    print(f"session: {n} pages of {pool.page_bytes >> 20} MiB ({size / 1e6:.0f} MB), {data}; "
+          f"agent staging {args.staging} MiB; best of {args.repeat}")
+
+    work = Path(args.dir or tempfile.mkdtemp(prefix="pffs-live-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "m").mkdir(exist_ok=True)
+    mnt = Mount(work / "m").start()
+    rows = []
+    try:
+        def mem():
+            bridge.page_out([seq], MemorySession())
+        rows.append(("bridge page-out -> memory (gather + sha256)", size, _best(mem, args.repeat)))
+
+        k = iter(range(1000))
+
+        def out_mount():
+            bridge.page_out([seq], mnt.path / f"direct-{next(k)}")
+        rows.append(("bridge page-out -> mount (store)", size, _best(out_mount, args.repeat)))
+
+        agent = Agent(PoolAdapter(bridge, seq), mnt.path, "bench", staging_bytes=args.staging << 20)
+        with agent:
+            live = mnt.path / "engines" / "bench" / "bench"
+            wait_for(lambda: live.exists(), what="the live session")
+
+            def snapshot_only():
+                (live / "manifest.json").read_bytes()
+            rows.append(("live: manifest.json (pin, gather, sha256)", size, _best(snapshot_only, args.repeat)))
+
+            def snapshot_read():
+                got = read_tree(live)
+                assert got >= size
+            rows.append(("live: snapshot read (manifest + pages)", size, _best(snapshot_read, args.repeat)))
+
+            j = iter(range(1000))
+
+            def cp_live():
+                subprocess.run(["cp", "-r", str(live), str(mnt.path / f"snap-{next(j)}")], check=True)
+            rows.append(("live: cp -r into the store", size, _best(cp_live, args.repeat)))
+            # Snapshots are released once idle; check the pins went back.
+            wait_for(lambda: alloc.num_free() == pool.num_blocks - n, what="pins released")
+    finally:
+        rc = mnt.stop()
+        mnt.cleanup()
+        if rc != 0:
+            print(f"warning: the pffs daemon exited {rc}", file=sys.stderr)
+
+    width = max(len(r[0]) for r in rows)
+    base = {r[0]: r for r in rows}
+    for name, nbytes, secs in rows:
+        print(f"{name:<{width}}  {secs:7.3f} s  {nbytes / secs / 1e6:8.1f} MB/s")
+    direct_mem = base["bridge page-out -> memory (gather + sha256)"][2]
+    direct_mount = base["bridge page-out -> mount (store)"][2]
+    live_read = base["live: snapshot read (manifest + pages)"][2]
+    cp_live = base["live: cp -r into the store"][2]
+    print(f"live snapshot read vs page-out into memory: {direct_mem / live_read:.2f}x the speed")
+    print(f"cp -r of the live session vs page-out through the mount: {direct_mount / cp_live:.2f}x the speed")
+    return 0
+
+
+def _best(fn, repeat: int) -> float:
+    return min(timed(fn) for _ in range(repeat))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
