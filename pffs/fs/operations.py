@@ -667,9 +667,12 @@ class Operations(pyfuse3.Operations):
                         created += ns.fork_pages(conn, parent, pages, uid, gid)
             return created
 
-        stored, created = await self.content.store(
-            stg, parse_manifest=is_manifest,
-            then=lambda stored: self.db.run_in_transaction(fn, stored))
+        try:
+            stored, created = await self.content.store(
+                stg, parse_manifest=is_manifest,
+                then=lambda stored: self.db.run_in_transaction(fn, stored))
+        except StoreFull as e:
+            raise StoreFull(f"{self.path_of(ino)}: {e}") from None  # the log line names the file
         if stored.manifest_error is not None:
             where = self.path_of(ino)
             log.warning("close %s: refused manifest: %s", where, stored.manifest_error)
