@@ -148,6 +148,7 @@ def cmd_demo(args) -> int:
         from engine_bridge import demo
     except ImportError as e:
         raise PffsError(f"the demo runs an engine and needs torch ({e}); pip install pffs[engine]") from None
+    demo.check_engine(args.engine)
     mnt = Path(args.mountpoint) if args.mountpoint else demo.default_mountpoint()
     if tools.pffs_root(mnt) == mnt.absolute():
         print(f"using the pffs mounted on {mnt}")
@@ -156,7 +157,7 @@ def cmd_demo(args) -> int:
         daemon.spawn(args.store, str(mnt), [])
         from .storedir import StoreDir
         print(f"mounted store {StoreDir(args.store).root} on {mnt}")
-    ok = demo.run(mnt, dtype=args.dtype, n_decode=args.tokens)
+    ok = demo.run(mnt, dtype=args.dtype, n_decode=args.tokens, engine=args.engine)
     print(f"\nthe mount stays up: try ls -l {mnt}/demo/a/pages, cat {mnt}/demo/a/manifest.json;"
           f" pffs umount {mnt} when done")
     return 0 if ok else 1
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                    " else ~/kvcache); an existing pffs mount there is used")
     s.add_argument("--dtype", choices=["f32", "bf16"], default="bf16")
     s.add_argument("--tokens", type=int, default=40, help="tokens to decode before and after")
+    s.add_argument("--engine", choices=["reference", "transformers"], default="reference",
+                   help="the engine whose KV cache is saved and restored")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("stats", help="store figures: sessions, bytes, dedup and compression ratios")
