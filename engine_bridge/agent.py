@@ -542,6 +542,11 @@ class _Controller:
             with self.adapter.lock:
                 m = e.page_out(cmd["dest"], cmd.get("ids"))
             return {"pages": len(m.pages)}
+        if c == "page_in":
+            # Straight from a session folder (a live one too), not through engines/.
+            with self.adapter.lock:
+                ids = e.page_in(cmd["src"])
+                return {"seqs": ids, "n_tokens": {s.id: s.n_tokens for s in e.seq_blocks(ids)}}
         if c == "state":
             with self.adapter.lock:
                 seqs = {s.id: {"n_tokens": s.n_tokens, "blocks": [int(b) for b in s.block_ids],

@@ -244,6 +244,9 @@ class LiveEngine:
                 if p is not None:
                     p.reply = msg
                     p.event.set()
+                elif msg.get("ok") and "snap" in msg:
+                    # A snapshot whose request timed out: nobody will read it.
+                    self._spawn_release(msg["snap"])
             elif msg.get("op") == "bye":
                 return "detached", True
             else:
@@ -262,7 +265,7 @@ class LiveEngine:
         for entry in self.entries.values():
             self.registry.keys.pop(entry.key, None)
             if entry.incoming is not None:
-                self._drop_incoming(entry)
+                self.drop_incoming(entry)
         for snap in self.snapshots.values():
             snap.released = True
         self.snapshots.clear()
@@ -559,9 +562,10 @@ class LiveEngine:
             self.note_session(entry.name)
             return [str(s) for s in reply.get("seqs", [])]
         finally:
-            self._drop_incoming(entry)
+            self.drop_incoming(entry)
 
-    def _drop_incoming(self, entry: SessionEntry) -> None:
+    def drop_incoming(self, entry: SessionEntry) -> None:
+        """Forget a session being copied in, and the memory it held."""
         inc, entry.incoming = entry.incoming, None
         if inc is not None:
             freed = inc.drop()

@@ -195,6 +195,8 @@ class IncomingSession:
 
     def page_nodes(self) -> list[Node]:
         """The page files manifest.json lists, in page order (complete sessions only)."""
+        if not self.manifest.pages:
+            return []
         pages = self.root.children[PAGES].children
         return [pages[mf.page_name(ix).encode()] for ix in range(len(self.manifest.pages))]
 

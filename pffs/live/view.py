@@ -82,8 +82,37 @@ class DirHandle:
     snap: Snapshot | None = None
 
 
+_TGID_TTL = 1.0
+_tgids: dict[int, tuple[int, float]] = {}
+
+
 def _pid(ctx) -> int:
-    return getattr(ctx, "pid", 0) if ctx is not None else 0
+    """The process (not thread) a request comes from: readers are told apart by it.
+
+    FUSE gives the calling thread's id; threads of one reader (a page-in
+    reading pages from worker threads) must see one snapshot.  The thread ->
+    process map is cached for a second (a thread id is not reused sooner).
+    """
+    tid = getattr(ctx, "pid", 0) if ctx is not None else 0
+    if tid <= 0:
+        return 0
+    now = time.monotonic()
+    got = _tgids.get(tid)
+    if got is not None and now - got[1] < _TGID_TTL:
+        return got[0]
+    tgid = tid
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    tgid = int(line.split()[1])
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if len(_tgids) > 4096:
+        _tgids.clear()
+    _tgids[tid] = (tgid, now)
+    return tgid
 
 
 class LiveView:
@@ -444,7 +473,7 @@ class LiveView:
     @_errors
     async def flush(self, h: Handle) -> None:
         """The close of a file being copied in: it has arrived; the last one pages the session in."""
-        if h.kind != "file":
+        if h.kind != "file" or not h.writable:
             return
         entry, node, inc = h.entry, h.node, h.inc
         if inc.state != "gathering" or not node.linked:
@@ -548,6 +577,8 @@ class LiveView:
             if await self._find_session(obj, name, _pid(ctx)) is not None:
                 raise FUSEError(errno.EEXIST)
             entry = obj.entry(sname)
+            if entry.incoming is not None:
+                raise FUSEError(errno.EEXIST)   # made while we asked the engine
             entry.incoming = IncomingSession(sname, self.base(entry.key), mode, ctx.uid, ctx.gid)
             return self._node_attr(entry.incoming.root)
         _, inc, node = self._incoming_parent(parent)
@@ -589,7 +620,7 @@ class LiveView:
                 raise FUSEError(errno.ENOTEMPTY)
             if entry.incoming.state != "gathering":
                 raise FUSEError(errno.EBUSY)
-            obj._drop_incoming(entry)
+            obj.drop_incoming(entry)
             return
         entry, inc, node = self._incoming_parent(parent)
         child = node.children.get(name)
