@@ -23,7 +23,7 @@ ACCESS_KEY = "pffs-test-key"
 SECRET_KEY = "pffs-test-secret"
 REGION = "us-east-1"
 START_DEADLINE = 60.0
-STOP_GRACE = 2.0
+STOP_GRACE = 1.0
 
 
 def weed_binary() -> str | None:
@@ -94,7 +94,9 @@ class Seaweed:
                 "-filer", f"-filer.port={self.filer}", f"-filer.port.grpc={self.filer_grpc}",
                 "-s3", f"-s3.port={self.s3}", f"-s3.port.grpc={self.s3_grpc}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self.config}",
-                "-master.volumeSizeLimitMB=256", "-volume.max=0", "-volume.preStopSeconds=0"]
+                "-master.volumeSizeLimitMB=256", "-volume.max=0", "-volume.preStopSeconds=0",
+                # Nothing leaves the machine; a restart does not wait out a raft election.
+                "-master.telemetry=false", "-master.resumeState=false"]
 
     def start(self) -> "Seaweed":
         assert self.proc is None

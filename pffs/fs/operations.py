@@ -706,12 +706,15 @@ class Operations(pyfuse3.Operations):
         await self._maybe_delete(ino)
 
     @handler
-    async def flush(self, fh):
+    async def flush(self, fh, any_handle=False):
         if fh in self.virtual.handles:
             return await self.virtual.flush(fh)
         of = self.handles[fh]
         st = self.states.get(of.ino)
-        if st is not None and st.staging is not None and st.staging.dirty:
+        # A reader's close neither commits nor fails on a writer's staged bytes
+        # (say, left by a close that failed); fsync of any handle does commit.
+        if (of.writable or any_handle) and st is not None and st.staging is not None \
+                and st.staging.dirty:
             async with st.lock:
                 await self._commit(of.ino, st)
 
@@ -719,7 +722,7 @@ class Operations(pyfuse3.Operations):
     async def fsync(self, fh, datasync):
         if fh in self.virtual.handles:
             return
-        await self.flush(fh)
+        await self.flush(fh, True)
         await self.content.sync_pending()
         await self.db.sync_wal()
 

@@ -65,6 +65,7 @@ DEFAULT_CACHE = 128 << 20
 # What a HEAD said about a digest is trusted this long (put and contains ask
 # in turn; gc only touches blobs older than its grace period).
 _PRESENT_TTL = 60.0
+DOWN_HOLD = 1.0
 _ABSENT_TTL = 2.0
 _META_RAW = "pffs-raw-size"
 _META_CODEC = "pffs-codec"
@@ -181,6 +182,9 @@ class S3BlobStore:
             self.threads = int(opts.get("upload_threads") or DEFAULT_UPLOAD_THREADS)
         except ValueError as e:
             raise PffsError(f"bad S3 option: {e}") from None
+        if bool(self.access_key) != bool(self.secret_key):
+            raise PffsError("access_key and secret_key go together (or come from AWS_ACCESS_KEY_ID"
+                            " and AWS_SECRET_ACCESS_KEY)")
         if self.timeout <= 0 or self.retries < 1 or self.threads < 1:
             raise PffsError("s3_timeout must be > 0, s3_retries and upload_threads >= 1")
         self._client = None
@@ -192,6 +196,12 @@ class S3BlobStore:
         self._seen: dict[str, tuple[float, ObjectInfo | None]] = {}
         self._seen_lock = threading.Lock()
         self._conditional_put = True
+        # After a request found the endpoint silent (no connection or no answer
+        # in time), requests fail at once for DOWN_HOLD seconds: the kernel's
+        # parallel reads of one page, a prefetch, the next block of a write
+        # do not each wait out the timeouts again.
+        self._down_until = 0.0
+        self._down_reason = ""
 
     # -- plumbing ------------------------------------------------------------
 
@@ -210,7 +220,7 @@ class S3BlobStore:
         except ImportError:
             raise PffsError("S3 stores need boto3: pip install 'pffs[s3]'") from None
         kw = dict(connect_timeout=self.timeout, read_timeout=self.timeout,
-                  retries={"max_attempts": self.retries, "mode": "standard"},
+                  retries={"total_max_attempts": self.retries, "mode": "standard"},
                   max_pool_connections=2 * self.threads + 8, s3={"addressing_style": self.addressing},
                   signature_version="s3v4")
         try:
@@ -244,9 +254,14 @@ class S3BlobStore:
         h = digest_hex(digest)
         return f"{self.prefix}{area}{h[:2]}/{h}"
 
+    def _check_up(self, what: str) -> None:
+        if time.monotonic() < self._down_until:
+            raise StoreUnavailable(f"{self.url}: {what}: {self._down_reason}")
+
     def _call(self, op: str, what: str, **kw):
         """One S3 request; None for "no such key", StoreUnavailable for everything the network did."""
         from botocore.exceptions import BotoCoreError, ClientError
+        self._check_up(what)
         try:
             return getattr(self.client, op)(Bucket=self.bucket, **kw)
         except ClientError as e:
@@ -267,7 +282,12 @@ class S3BlobStore:
             else:
                 why = f"{code or 'error'} (HTTP {status})"
         else:
+            from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
             why = str(e) or type(e).__name__
+            if isinstance(e, (ConnectTimeoutError, ReadTimeoutError)):
+                # Refused connections fail fast by themselves; only timeouts hold.
+                self._down_reason = f"no answer a moment ago ({why})"
+                self._down_until = time.monotonic() + DOWN_HOLD
         return StoreUnavailable(f"{self.url}: {what}: {why}")
 
     def check_access(self) -> None:
@@ -320,7 +340,16 @@ class S3BlobStore:
                           lm.timestamp() if lm is not None else 0.0)
 
     def contains(self, digest: Digest) -> bool:
-        return self.stat(digest) is not None
+        """Whether the bucket is known to hold *digest*; False when it cannot be asked.
+
+        Callers use it to skip work (dedup, size limits) and then put, and a
+        put of an unreachable bucket raises: an unanswered question must not
+        raise while the caller still has a compression running on its buffer.
+        """
+        try:
+            return self.stat(digest) is not None
+        except StoreUnavailable:
+            return False
 
     def stored_size(self, digest: Digest) -> int:
         info = self.stat(digest, fresh=True)
@@ -402,6 +431,7 @@ class S3BlobStore:
         from botocore.exceptions import BotoCoreError, ClientError
         key = self.key(digest)
         meta = {_META_RAW: str(raw_size), _META_CODEC: codec_name}
+        self._check_up(f"PUT {key}")
         for attempt in range(4):
             kw = dict(Bucket=self.bucket, Key=key, Body=bytes(frame), Metadata=meta,
                       ContentType="application/octet-stream")
