@@ -80,8 +80,8 @@ def cmd_check(args) -> int:
 
 def cmd_gc(args) -> int:
     from . import gc
-    from .store.s3 import url_of
-    if url_of(args.store) is not None or os.path.exists(os.path.join(args.store or "", "remote.json")):
+    from .store.s3 import is_remote
+    if is_remote(args.store):
         from . import remote
         r = remote.collect_cli(args.store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
                                progress=Progress("sweeping the bucket"))
@@ -98,8 +98,14 @@ def cmd_prune(args) -> int:
     from .storedir import StoreDir
     older = gc.parse_duration(args.older_than) if args.older_than is not None else None
     _, store = prune.prune(args.path, keep_last=args.keep_last, older_than=older, dry_run=args.dry_run)
-    r = gc.collect(StoreDir(store), grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
-                   progress=Progress("sweeping"))
+    from .store.s3 import is_remote
+    if is_remote(store):
+        from . import remote
+        r = remote.collect_cli(store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
+                               progress=Progress("sweeping the bucket"))
+    else:
+        r = gc.collect(StoreDir(store), grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
+                       progress=Progress("sweeping"))
     print(f"gc: {r.summary()}")
     return 0
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import trio
 import zstandard
 
 from . import manifest as mf
@@ -228,6 +229,10 @@ def attach(daemon) -> RemoteMount:
     blobs: S3BlobStore = st.blobs
     blobs.set_cache_limit(opts.cache_size)
     daemon.ops.cache.limit = min(daemon.ops.cache.limit, MEMORY_CACHE_MAX)
+    # A close of an S3 store mostly waits on the network: let as many closes
+    # run at once as there are upload threads (the CPU work in them is small).
+    content = daemon.ops.content
+    content.limiter = trio.CapacityLimiter(max(content.limiter.total_tokens, blobs.threads))
     lease = parse_duration(opts.remote["lease"]) if opts.remote.get("lease") else DEFAULT_LEASE
     if lease < 1:
         raise PffsError("lease must be at least 1s")

@@ -94,6 +94,13 @@ def parse_url(url: str) -> tuple[str, str]:
     return bucket, "".join(p + "/" for p in parts)
 
 
+def is_remote(store) -> bool:
+    """Whether a --store value names an S3 store: its URL, or a cache folder bound to one."""
+    if store is None:
+        return False
+    return url_of(store) is not None or (Path(store) / CONFIG_NAME).exists()
+
+
 def default_cache_dir(url: str) -> Path:
     """``$XDG_CACHE_HOME/pffs/<bucket>-<prefix>-<hash>`` (or ~/.cache/pffs/…), one per URL."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
