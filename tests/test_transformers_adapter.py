@@ -251,15 +251,20 @@ def test_another_transformers_release_is_refused():
 # -------------------------------------------------------------------- demo
 
 
-def test_demo_with_the_transformers_engine(mnt):
-    lines: list[str] = []
-    assert demo.run(mnt.path, dtype="bf16", n_decode=8, prompt_repeats=2, out=lines.append,
-                    engine="transformers")
-    text = "\n".join(lines)
-    assert "transformers 5.24.0 continuous batching" in text
-    assert "logprobs bit-identical" in text and "every continuation matched bit for bit" in text
-    assert sorted(os.listdir(mnt / "demo")) == ["a", "b", "c"]
-    pffs("stats", mnt.path)
+def test_pffs_demo_with_the_transformers_engine(tmp_path):
+    from mountutil import is_mounted, lazy_unmount
+    store, mp = tmp_path / "store", tmp_path / "kv"
+    try:
+        r = pffs("demo", "--engine", "transformers", "--dtype", "f32", "--store", store, "--mountpoint", mp,
+                 "--tokens", 6, timeout=300)
+        assert "transformers 5.24.0 continuous batching" in r.stdout, r.stdout
+        assert "logprobs bit-identical" in r.stdout and "every continuation matched bit for bit" in r.stdout
+        assert sorted(os.listdir(mp / "demo")) == ["a", "b", "c"]
+        pffs("umount", mp)
+    finally:
+        if is_mounted(mp):
+            lazy_unmount(mp)
+    assert "0 damaged" in pffs("check", "--store", store).stdout
     demo.check_engine("transformers")
     with pytest.raises(PffsError, match="unknown engine"):
         demo.check_engine("vllm")
