@@ -35,9 +35,6 @@ did) to get the logits that pick the next one.
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
-import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence

@@ -9,7 +9,6 @@ import errno
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from engine_bridge import (DigestMismatch, IncompleteSession, MismatchError, Mod
                            NoFreeBlocks, WrongSizePage)
 from engine_bridge.reference import ModelConfig, ReferenceEngine
 from mountutil import is_mounted, lazy_unmount, pffs
-from pffs.manifest import page_name, parse
+from pffs.manifest import page_name
 
 SEED = 7
 PROMPTS = {
