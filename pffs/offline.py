@@ -44,6 +44,9 @@ def _resolve(conn, parts: list[bytes]) -> int | None:
 class StoreSessionSink:
     """Write one session at PATH (relative to the store's root) of an unmounted store."""
 
+    # write_page may be called from several threads at once (puts are thread-safe).
+    concurrent = True
+
     def __init__(self, store: str | os.PathLike | StoreDir | None, path: str, *,
                  uid: int | None = None, gid: int | None = None, codec: str | None = None):
         self.store = store if isinstance(store, StoreDir) else StoreDir(store, codec)

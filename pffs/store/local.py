@@ -18,6 +18,7 @@ import errno
 import os
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +29,7 @@ from ..types import Digest, digest_hex, digest_of, is_digest
 
 BLOB_DIR = "blobs"
 _TMP_PREFIX = ".tmp-"
+SYNC_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -265,19 +267,27 @@ class PutBatch:
         """
         with self._lock:
             files, self._files = self._files, set()
-        dirs = set()
-        missing = []
-        for p in files:
+
+        def sync_file(p: Path) -> bool:
             try:
                 fd = os.open(p, os.O_RDONLY)
             except FileNotFoundError:
-                missing.append(Digest("sha256:" + p.name))
-                continue
+                return False
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            dirs.add(p.parent)
+            return True
+
+        files = sorted(files)
+        if len(files) > 16:
+            # The device works on several fsyncs at once: issue them in parallel.
+            with ThreadPoolExecutor(max_workers=SYNC_THREADS) as ex:
+                found = list(ex.map(sync_file, files))
+        else:
+            found = [sync_file(p) for p in files]
+        missing = [Digest("sha256:" + p.name) for p, ok in zip(files, found) if not ok]
+        dirs = {p.parent for p, ok in zip(files, found) if ok}
         for d in dirs:
             _fsync_dir(d)
         return missing
