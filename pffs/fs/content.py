@@ -119,7 +119,8 @@ class ContentStore:
             data = stg.view(bn)
             # Compress on a second core while this one hashes; the frame is
             # dropped if the digest turns out to be stored already.
-            pending_frame = (self._encoder.submit(codec_mod.encode, data, self.blobs.codec)
+            # (It gets its own copy: the staging buffer may change once we return.)
+            pending_frame = (self._encoder.submit(codec_mod.encode, bytes(data), self.blobs.codec)
                              if len(data) >= PARALLEL_ENCODE_MIN else None)
             d = digest_of(data)
             if whole is not None:
@@ -127,12 +128,10 @@ class ContentStore:
             if self.max_size is not None and not self.blobs.contains(d) \
                     and not self._room_for(len(data)):
                 raise StoreFull(f"store limit of {self.max_size} bytes reached")
-            if pending_frame is not None and not self.blobs.contains(d):
-                r = self.blobs.put(data, d, batch=batch, frame=pending_frame.result())
-            else:
-                if pending_frame is not None and not pending_frame.cancel():
-                    pending_frame.result()  # it reads the staging buffer: wait before returning
-                r = self.blobs.put(data, d, batch=batch)
+            r = self.blobs.put(data, d, batch=batch,
+                               frame=pending_frame.result if pending_frame is not None else None)
+            if pending_frame is not None:
+                pending_frame.cancel()  # a dedup hit: the frame is not needed
             if not r.existed:
                 self.stored_bytes += r.stored_size
             blocks.append(d)

@@ -56,6 +56,7 @@ class LocalBlobStore:
                  max_raw: int = codec_mod.MAX_RAW):
         self.root = Path(root)
         self.blob_root = self.root / BLOB_DIR
+        self._blob_root_s = str(self.blob_root)
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
         # Set by a mounted daemon: space kept back so deletions can commit
@@ -77,10 +78,10 @@ class LocalBlobStore:
 
     def path(self, digest: Digest) -> Path:
         h = digest_hex(digest)
-        return self.blob_root / h[:2] / h
+        return Path(f"{self._blob_root_s}/{h[:2]}/{h}")
 
     def contains(self, digest: Digest) -> bool:
-        return self.path(digest).exists()
+        return os.path.exists(self.path(digest))
 
     def stored_size(self, digest: Digest) -> int:
         """Bytes the blob takes on disk (MissingBlob if absent)."""
@@ -95,8 +96,9 @@ class LocalBlobStore:
             codec: codec_mod.Codec | None = None, frame=None) -> PutResult:
         """Store *data* under its digest (computed if not given).
 
-        *frame*, when given, is ``data`` already encoded (a caller that
-        compressed while it hashed); it is used only if the blob is new.
+        *frame*, when given, is ``data`` already encoded, or a callable that
+        returns it (a caller that compressed while it hashed); it is used
+        only if the blob is new.
 
         Without *batch* the blob is durable when this returns; with one, it
         is durable once ``batch.sync()`` returns.  An existing blob is kept
@@ -114,6 +116,8 @@ class LocalBlobStore:
             return PutResult(digest, raw_size, size, "", True)
         if frame is None:
             frame = codec_mod.encode(data, codec or self.codec)
+        elif callable(frame):
+            frame = frame()
         codec_name = codec_mod.read_header(frame).codec.name
         if self.reserve is not None:
             self.reserve.before_put(len(frame))
