@@ -25,6 +25,7 @@ from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
 from .. import codec as codec_mod
 from ..store.local import LocalBlobStore, PutBatch
 from ..types import Digest, digest_of
+from .db import WorkerPool
 from .staging import Staging
 
 
@@ -50,6 +51,9 @@ class ContentStore:
         self.staging_dir = Path(staging_dir)
         self.limiter = trio.CapacityLimiter(threads or max(2, os.cpu_count() or 2))
         self.sync_limiter = trio.CapacityLimiter(1)
+        # Commits of closed files: hashing, compression, blob writes, the namespace row.
+        self.width = threads or max(2, os.cpu_count() or 2)
+        self.workers = WorkerPool(self.width, "pffs-commit")
         self.max_size = max_size
         self.stored_bytes = 0  # kept current by the daemon for max_size checks
         # With sync_on_close every commit fsyncs its own blobs before the
@@ -74,13 +78,19 @@ class ContentStore:
         if len(self.pending):
             await trio.to_thread.run_sync(self.pending.sync, limiter=self.sync_limiter)
 
+    def set_width(self, n: int) -> None:
+        """How many commits may run at once (before the mount serves requests)."""
+        self.workers.stop()
+        self.width = n
+        self.workers = WorkerPool(n, "pffs-commit")
+        self.limiter = trio.CapacityLimiter(n)
+
     async def store(self, stg: Staging, *, parse_manifest: bool, then=None):
         """Store the staged bytes; then, in the same worker thread, ``then(stored)``.
 
         Returns (stored, result of then); *then* is skipped for a refused manifest.
         """
-        return await trio.to_thread.run_sync(self._store_then, stg, parse_manifest, then,
-                                             limiter=self.limiter)
+        return await self.workers.call(self._store_then, stg, parse_manifest, then)
 
     def _store_then(self, stg: Staging, parse_manifest: bool, then):
         with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
