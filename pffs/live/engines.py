@@ -49,6 +49,7 @@ SNAPSHOT_IDLE = 2.0         # an unused snapshot is released after this long
 SNAPSHOT_REUSE = 1.0        # a snapshot taken by a stat is the next open's, within this long
 MAX_SNAPSHOTS = 64          # per engine; past it, opening another answers EBUSY
 BATCH_BYTES = 8 << 20       # pages per gather (digest pass, read-ahead)
+INCOMING_LIMIT = 2 << 30    # bytes of sessions being copied into engines, all engines together
 
 
 class EngineError(Exception):

@@ -87,8 +87,8 @@ class IncomingSession:
         parent.mtime_ns = parent.ctime_ns = now_ns()
         return node
 
-    def detach(self, node: Node) -> None:
-        """Take *node* out of its folder (open handles keep using it)."""
+    def detach(self, node: Node) -> int:
+        """Take *node* out of its folder (open handles keep using it); returns the bytes freed."""
         parent = node.parent
         if parent is not None and parent.children.get(node.name) is node:
             del parent.children[node.name]
@@ -98,6 +98,8 @@ class IncomingSession:
         self._forget_page(node)
         node.linked = False
         self.nodes.pop(node.ino, None)
+        self.bytes -= node.size
+        return node.size
 
     def move(self, node: Node, new_parent: Node, new_name: bytes) -> None:
         self._forget_page(node)

@@ -60,6 +60,14 @@ class Refused(Exception):
         self.errno = err
 
 
+def valid_name(name: object) -> bool:
+    """Whether *name* can be an engine's or a session's folder name."""
+    if not isinstance(name, str) or not name or name in (".", ".."):
+        return False
+    raw = name.encode("utf-8", "surrogateescape")
+    return len(raw) <= 255 and b"/" not in raw and b"\0" not in raw and name.isprintable()
+
+
 def encode(msg: dict[str, Any]) -> bytes:
     body = json.dumps(msg, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE:

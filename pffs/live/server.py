@@ -25,23 +25,15 @@ import trio
 from .. import manifest as mf
 from .channel import TrioChannel
 from .engines import LiveEngine, Registration
-from .protocol import PROTOCOL_VERSION, ProtocolError, ShortPath, close_fds, peer_credentials
+from .protocol import (PROTOCOL_VERSION, ProtocolError, ShortPath, close_fds, peer_credentials,
+                       valid_name)
 from .view import LiveView
 
 log = logging.getLogger("pffs.live")
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_STAGING = 4 << 30
-#: bytes of sessions being copied into engines that the daemon holds at most
-INCOMING_LIMIT = 2 << 30
 REAP_INTERVAL = 1.0
-
-
-def valid_name(name: object) -> bool:
-    if not isinstance(name, str) or not name or name in (".", ".."):
-        return False
-    raw = name.encode("utf-8", "surrogateescape")
-    return len(raw) <= 255 and b"/" not in raw and b"\0" not in raw and name.isprintable()
 
 
 class LiveEngines:
@@ -245,5 +237,5 @@ class LiveEngines:
         if not seals & fcntl.F_SEAL_SHRINK:
             raise ProtocolError("the staging memfd must be sealed against shrinking")
         shm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        info = {k: msg.get(k) for k in ("layout", "model", "kv", "engine")}
+        info = {k: msg.get(k) for k in ("layout", "model", "kv", "engine", "num_blocks")}
         return Registration(name, pid, uid, gid, geometry, pb, slots, info), shm

@@ -32,8 +32,10 @@ from pyfuse3 import FUSEError
 
 from .. import manifest as mf
 from ..namespace import ROOT_INODE, now_ns
-from .engines import EngineError, EngineGone, EngineRefused, LiveEngine, SessionEntry, Snapshot
+from .engines import (INCOMING_LIMIT, EngineError, EngineGone, EngineRefused, LiveEngine,
+                      SessionEntry, Snapshot)
 from .incoming import MANIFEST, PAGES, IncomingSession, Node
+from .protocol import valid_name
 
 if TYPE_CHECKING:
     from .server import LiveEngines
@@ -514,7 +516,6 @@ class LiveView:
     def _charge(self, eng: LiveEngine, grow: int) -> None:
         if grow <= 0:
             return
-        from .server import INCOMING_LIMIT
         nb = eng.reg.info.get("num_blocks")
         own = (nb * eng.page_bytes + (64 << 20)) if isinstance(nb, int) and nb > 0 else INCOMING_LIMIT
         if eng.incoming_bytes + grow > own or self.reg.incoming_bytes + grow > INCOMING_LIMIT:
@@ -570,7 +571,6 @@ class LiveView:
         mode = stat.S_IMODE(mode) & ~ctx.umask
         kind, obj, _ = self._resolve(parent)
         if kind == "engine":
-            from .server import valid_name
             sname = os.fsdecode(name)
             if not valid_name(sname):
                 raise FUSEError(errno.EINVAL)
@@ -604,9 +604,7 @@ class LiveView:
             raise FUSEError(errno.ENOENT)
         if child.is_dir:
             raise FUSEError(errno.EISDIR)
-        inc.detach(child)
-        self._account(entry.engine, -child.size)
-        inc.bytes -= child.size
+        self._account(entry.engine, -inc.detach(child))
 
     @_errors
     async def rmdir(self, parent: int, name: bytes, ctx) -> None:
@@ -672,9 +670,7 @@ class LiveView:
                     or dst_dir.children.get(n_new) is not target):
                 raise FUSEError(errno.EBUSY)
         if target is not None:
-            inc.detach(target)
-            self._account(entry.engine, -target.size)
-            inc.bytes -= target.size
+            self._account(entry.engine, -inc.detach(target))
         inc.move(node, dst_dir, n_new)
         if checked is not None and node.arrived and node.version == checked[2]:
             inc.set_manifest(checked[0], checked[1])
