@@ -193,26 +193,60 @@ class RemoteMount:
         """Give the pages a manifest lists that the namespace lacks a blob row each, if the bucket has them.
 
         Runs in a content thread, before the transaction that forks them.
+        Rows of blobs nothing here references any more are checked too: the
+        bucket's gc may have removed them since (our registration no longer
+        listed them), and a fork must not bring back a page without bytes.
         The lookups run outside the SQLite write lock; the registration is
-        nudged so that they are listed in it within moments.
+        nudged so that what was found is listed in it within moments.
         """
         want = {p for p in pages if is_digest(p)}
         if not want:
             return 0
         with self.db.rw_lock:
             known = ns.known_blobs(self.db.rw, want)
+            held = _referenced(self.db.rw, known.keys())
         unknown = want - known.keys()
-        if not unknown:
+        unheld = set(known) - held
+        if not unknown and not unheld:
             return 0
-        rows = self.blobs.lookup_many(unknown)
+        rows = self.blobs.lookup_many(unknown | unheld)
+        gone = unheld - rows.keys()
+        new = [r for d, r in rows.items() if d in unknown]
         if rows:
             with self._lock:
                 self._pinned |= rows.keys()
-            self.db.run_in_transaction(_insert_blob_rows, list(rows.values()))
             self._wake.set()
-        log.info("looked up %d pages in %s: %d found%s", len(unknown), self.blobs.url, len(rows),
-                 "" if len(rows) == len(unknown) else f", {len(unknown) - len(rows)} missing")
-        return len(rows)
+        if new or gone:
+            self.db.run_in_transaction(_update_blob_rows, new, sorted(gone))
+        if unknown:
+            log.info("looked up %d pages in %s: %d found%s", len(unknown), self.blobs.url, len(new),
+                     "" if len(new) == len(unknown) else f", {len(unknown) - len(new)} missing")
+        if gone:
+            log.info("%d pages listed by a manifest are no longer in %s (gc removed them)",
+                     len(gone), self.blobs.url)
+        return len(new)
+
+
+def _referenced(conn: sqlite3.Connection, digests) -> set[str]:
+    """Which of *digests* a file holds or a manifest lists in this namespace."""
+    out: set[str] = set()
+    uniq = list(digests)
+    for k in range(0, len(uniq), 400):
+        chunk = uniq[k:k + 400]
+        marks = ",".join("?" * len(chunk))
+        out.update(d for (d,) in conn.execute(
+            f"SELECT blob FROM blocks WHERE blob IN ({marks})"
+            f" UNION SELECT digest FROM manifest_pages WHERE digest IN ({marks})", chunk + chunk))
+    return out
+
+
+def _update_blob_rows(conn: sqlite3.Connection, new: list[ns.BlobRow], gone: list[str]) -> None:
+    _insert_blob_rows(conn, new)
+    for d in gone:
+        # Only if still unreferenced: a commit since may have named it (and
+        # then its own put or lookup found it stored).
+        conn.execute("DELETE FROM blobs WHERE digest=? AND NOT EXISTS (SELECT 1 FROM blocks WHERE blob=?)"
+                     " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)", (d, d, d))
 
 
 def _insert_blob_rows(conn: sqlite3.Connection, rows: list[ns.BlobRow]) -> None:
@@ -232,7 +266,7 @@ def attach(daemon) -> RemoteMount:
     # A close of an S3 store mostly waits on the network: let as many closes
     # run at once as there are upload threads (the CPU work in them is small).
     content = daemon.ops.content
-    content.limiter = trio.CapacityLimiter(max(content.limiter.total_tokens, blobs.threads))
+    content.set_width(max(content.width, blobs.threads))
     lease = parse_duration(opts.remote["lease"]) if opts.remote.get("lease") else DEFAULT_LEASE
     if lease < 1:
         raise PffsError("lease must be at least 1s")

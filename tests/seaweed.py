@@ -154,6 +154,12 @@ class Seaweed:
                     pass
                 self.proc.wait(30)
         self.proc = None
+        # weed also listens on Unix sockets in /tmp named by its ports; a killed one leaves them.
+        ports = {self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer,
+                 self.filer_grpc, self.s3, self.s3_grpc}
+        for p in Path("/tmp").glob("seaweedfs-*.sock"):
+            if p.stem.rsplit("-", 1)[-1] in {str(x) for x in ports}:
+                p.unlink(missing_ok=True)
 
     def restart(self) -> None:
         self.stop()

@@ -194,3 +194,8 @@ def test_gc_keeps_what_published_manifests_and_live_mounts_reference(weed, s3_mo
     assert read_pages(m2 / "a", 4) == pa
     pffs("pull", "e", m1 / "e")
     assert read_pages(m1 / "e", 4) == pe
+    # m1 still has index rows of c's collected pages: a manifest listing them brings none back.
+    (m1 / "c2" / "pages").mkdir(parents=True)
+    (m1 / "c2" / "manifest.json").write_bytes(mc.to_json())
+    assert os.listdir(m1 / "c2" / "pages") == []
+    assert "4 pages listed by a manifest are no longer in" in m1.log_text()

@@ -62,11 +62,12 @@ DEFAULT_TIMEOUT = 5.0      # seconds to connect, and to wait for each read
 DEFAULT_RETRIES = 2        # attempts in all (botocore "standard" mode)
 DEFAULT_UPLOAD_THREADS = 8
 DEFAULT_CACHE = 128 << 20
-# What a HEAD said about a digest is trusted this long (put and contains ask
-# in turn; gc only touches blobs older than its grace period).
-_PRESENT_TTL = 60.0
-DOWN_HOLD = 1.0
+# What a HEAD said about a digest is trusted this long: long enough for the
+# contains() and put() of one close to share it, far below any gc grace period
+# (a blob seen stored cannot be gone for good before a grace period passes).
+_PRESENT_TTL = 2.0
 _ABSENT_TTL = 2.0
+DOWN_HOLD = 1.0
 _META_RAW = "pffs-raw-size"
 _META_CODEC = "pffs-codec"
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
@@ -297,12 +298,6 @@ class S3BlobStore:
                 self._down_until = time.monotonic() + DOWN_HOLD
         return StoreUnavailable(f"{self.url}: {what}: {why}")
 
-    def check_access(self) -> None:
-        """Raise one clear error unless the bucket answers (and exists)."""
-        r = self._call("list_objects_v2", "listing the bucket", Prefix=self.prefix + MOUNTS, MaxKeys=1)
-        if r is None:
-            raise StoreUnavailable(f"{self.url}: the bucket does not exist")
-
     def create_dirs(self) -> None:
         """The local cache folder's fan-out directories (the bucket needs none)."""
         self.cache.store.create_dirs()
@@ -410,7 +405,8 @@ class S3BlobStore:
 
         Without an :class:`S3PutBatch` the blob is in the bucket when this
         returns; with one, once ``batch.sync()`` returns (the upload runs on
-        the store's pool meanwhile).
+        the store's pool meanwhile).  *frame*, when given, is ``data`` already
+        encoded, or a callable returning it (called only if the blob is new).
         """
         if digest is None:
             digest = digest_of(data)
@@ -420,6 +416,8 @@ class S3BlobStore:
             return PutResult(digest, raw_size, info.stored_size, info.codec, True)
         if frame is None:
             frame = codec_mod.encode(data, codec or self.codec)
+        elif callable(frame):
+            frame = frame()  # a compression already under way, wanted now that the blob is new
         codec_name = codec_mod.read_header(frame).codec.name
         if isinstance(batch, S3PutBatch):
             self._inflight.acquire()
