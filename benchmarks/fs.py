@@ -88,7 +88,8 @@ def main() -> int:
         del pages
         size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
         mb = size / 1e6
-        print(f"session: {n} pages of {len(base[0])} bytes, {size / 2**20:.0f} MiB")
+        print(f"session: {n} pages of {len(base[0])} bytes, {size / 2**20:.0f} MiB; "
+              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start")
         drop_caches()
         sh("cat", *[str(p) for p in sorted((src / "pages").iterdir())[:1]])
 

@@ -32,6 +32,7 @@ log = logging.getLogger("pffs.daemon")
 
 CHECKPOINT_INTERVAL = 30.0
 SYNC_INTERVAL = 0.5
+READ_AHEAD_KB = 1024
 
 
 @dataclass
@@ -198,6 +199,20 @@ class Daemon:
         pyfuse3.init(self.ops, str(self.mountpoint), fuse_opts)
         log.info("mounted %s on %s (pid %d)", st.root, self.mountpoint, os.getpid())
 
+    def _widen_readahead(self) -> None:
+        """Let the kernel read ahead up to 1 MiB (a whole page file in one request).
+
+        FUSE mounts start at 128 KiB; the knob is the mount's backing device in
+        sysfs, writable by root only (others keep the default).
+        """
+        try:
+            dev = os.stat(self.mountpoint).st_dev
+            path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+            with open(path, "w") as f:
+                f.write(str(READ_AHEAD_KB))
+        except OSError as e:
+            log.debug("read-ahead left at the default: %s", e)
+
     async def main(self) -> None:
         async with trio.open_nursery() as nursery:
             self.ops.nursery = nursery
@@ -205,6 +220,8 @@ class Daemon:
             nursery.start_soon(self._signals, nursery)
             nursery.start_soon(self._periodic)
             nursery.start_soon(self._syncer)
+            # stat() of the mount needs the loop to answer: do it from a thread.
+            nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
             nursery.start_soon(self.live.serve)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
@@ -296,6 +313,10 @@ def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foregroun
         ready(f"error {st.root}: {e.strerror}")
         raise PffsError(f"{st.root}: {e.strerror}") from None
     setup_logging(st.log_path, foreground)
+    # Worker threads (decoding, hashing) hold the GIL in short Python stretches
+    # between C calls that release it: a short switch interval keeps the
+    # FUSE loop's latency low while they run.
+    sys.setswitchinterval(0.0005)
     faulthandler.enable(open(st.log_path, "a"))
     d = Daemon(st, mp, opts)
     try:

@@ -124,6 +124,9 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         self._loading: dict[str, trio.Event] = {}
         self._prefetched: dict[int, int] = {}  # directory inode -> last page index prefetched
+        # Where the kernel found each inode it holds (from lookups and readdir):
+        # spares a query per open when deciding what to prefetch.
+        self._where: dict[int, tuple[int, bytes]] = {}
         self.prefetch_limiter = trio.CapacityLimiter(max(1, (os.cpu_count() or 2)))
         self.virtual = virtual or VirtualTree(self)
         self.nursery: trio.Nursery | None = None
@@ -230,6 +233,8 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.ENOENT)
         attr = self._getattr(ino)
         self._lookup_inc(ino)
+        if name not in (b".", b".."):
+            self._where[ino] = (parent_inode, name)
         return attr
 
     @handler
@@ -240,6 +245,7 @@ class Operations(pyfuse3.Operations):
                 self.lookups[ino] = left
                 continue
             self.lookups.pop(ino, None)
+            self._where.pop(ino, None)
             if not self.virtual.owns(ino):
                 try:
                     await self._maybe_delete(ino)
@@ -496,9 +502,12 @@ class Operations(pyfuse3.Operations):
         Sequential reads of page files (cp, rsync, tar, cat, page-in) then find
         them decoded in the cache, and decoding runs on the other cores.
         """
-        row = self.db.ro.execute("SELECT parent, name FROM dentries WHERE inode=? LIMIT 1", (ino,)).fetchone()
+        row = self._where.get(ino)
         if row is None:
-            return
+            row = self.db.ro.execute("SELECT parent, name FROM dentries WHERE inode=? LIMIT 1",
+                                     (ino,)).fetchone()
+            if row is None:
+                return
         ix = mf.parse_page_name(row[1])
         if ix is None:
             return
@@ -511,18 +520,21 @@ class Operations(pyfuse3.Operations):
             self._prefetched.clear()
         for k in range(mark - ix + 1, PREFETCH_PAGES + 1):
             self._prefetched[parent] = ix + k
-            nxt = ns.lookup(self.db.ro, parent, mf.page_name(ix + k).encode())
-            if nxt is None:
-                return
-            for (d,) in self.db.ro.execute("SELECT blob FROM blocks WHERE inode=? ORDER BY blockno", (nxt,)):
+            found = False
+            for d, size in self.db.ro.execute(
+                    "SELECT b.blob, bl.raw_size FROM dentries e JOIN blocks b ON b.inode = e.inode"
+                    " JOIN blobs bl ON bl.digest = b.blob WHERE e.parent=? AND e.name=?"
+                    " ORDER BY b.blockno", (parent, mf.page_name(ix + k).encode())):
+                found = True
                 if d in self._loading or self.cache.get(d, count=False) is not None:
                     continue
-                size = self.db.ro.execute("SELECT raw_size FROM blobs WHERE digest=?", (d,)).fetchone()
-                if size is None or size[0] > budget:
+                if size > budget:
                     return
-                budget -= size[0]
+                budget -= size
                 self._loading[d] = trio.Event()
                 self.nursery.start_soon(self._prefetch_one, d)
+            if not found:
+                return
 
     async def _prefetch_one(self, digest: str) -> None:
         ev = self._loading[digest]
@@ -764,6 +776,7 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, row[1], self._attrs(node), row[0]):
                 return
             self._lookup_inc(node.id)
+            self._where[node.id] = (fh, row[1])
         if fh == ns.ROOT_INODE:
             self.virtual.readdir_root(start_id, token)
 
