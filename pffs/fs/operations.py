@@ -714,8 +714,10 @@ class Operations(pyfuse3.Operations):
                 return
             if st.staging is not None:
                 st.staging.close()
-        del self.states[ino]
-        await self._maybe_delete(ino)
+                st.staging = None  # a release waiting on the lock finds nothing left to commit
+        if self.states.get(ino) is st:  # (such a waiter may come second)
+            del self.states[ino]
+            await self._maybe_delete(ino)
 
     @handler
     async def flush(self, fh, any_handle=False):
