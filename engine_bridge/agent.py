@@ -477,6 +477,13 @@ class Agent:
             source = _ShmSource(mm, sizes, pb, mlen)
             with self.adapter.lock:
                 ids = self.adapter.page_in(source)
+                # These ids now name the new sequences, whatever group they were in.
+                for group in list(self.groups):
+                    left = [i for i in self.groups[group] if i not in ids]
+                    if left:
+                        self.groups[group] = left
+                    else:
+                        del self.groups[group]
                 self.groups[name] = list(ids)
         finally:
             if mm is not None:

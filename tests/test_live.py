@@ -188,6 +188,17 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     # Readers see a fresh snapshot once the sequence grew.
     grown = assert_self_consistent(mnt / "engines/e2/snap")
     assert len(grown.logical_seqs[0].token_ids) == len(tokens) - 1 + 20
+    # Straight from one engine's live folder into another's: refused while the
+    # sequence id is live there, accepted once it is not.
+    mnt.allow(r"engine e2 refused the session, folder removed: sequence 'req-1' is already live")
+    r = run("cp", "-r", live, mnt / "engines/e2/", check=False)
+    assert r.returncode != 0 and "Invalid argument" in r.stderr, r.stderr
+    assert listing(mnt / "engines/e2") == ["snap"]
+    e2("remove", id="req-1")
+    run("cp", "-r", live, mnt / "engines/e2/")
+    assert listing(mnt / "engines/e2") == ["req-1"]
+    assert e2("state")["seqs"]["req-1"]["tokens"] == e1("state")["seqs"]["req-1"]["tokens"][:-1]
+
     # Nothing pins blocks once readers are done: a request that ends frees them all.
     e1("remove", id="req-1")
     wait_for(lambda: e1("state")["free"] == 256, what="e1's blocks released")
@@ -384,6 +395,21 @@ def test_attach_refusals(mnt):
     with pytest.raises(OSError) as ei:
         (mnt / "engines").mkdir()
     assert ei.value.errno == errno.EEXIST
+
+
+def test_unmount_with_an_engine_attached(mount_factory):
+    mnt = mount_factory()
+    engine = ReferenceEngine(seed=SEED)
+    adapter = ReferenceAdapter(engine)
+    agent = Agent(adapter, mnt.path, "e1", staging_bytes=1 << 20).attach()
+    engine.add_request("r", PROMPT)
+    adapter.step()
+    assert listing(mnt / "engines/e1") == ["r"]
+    assert mnt.stop() == 0
+    wait_for(agent.detached.is_set, what="the agent noticed the unmount")
+    assert not (mnt.store / "engine.sock").exists()
+    assert engine.allocator.num_free() == 256 - 4       # no pin left behind
+    adapter.step()                                      # the engine runs on
 
 
 def test_page_in_refusals_leave_the_engine_as_it_was(mnt):
