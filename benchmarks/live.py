@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,43 +124,58 @@ def main() -> int:
     mnt = Mount(work / "m").start()
     rows = []
     try:
-        def mem():
-            bridge.page_out([seq], MemorySession())
-        rows.append(("bridge page-out -> memory (gather + sha256)", size, _best(mem, args.repeat)))
-
-        k = iter(range(1000))
-
-        def out_mount():
-            bridge.page_out([seq], mnt.path / f"direct-{next(k)}")
-        rows.append(("bridge page-out -> mount (store)", size, _best(out_mount, args.repeat)))
-
-        agent = Agent(PoolAdapter(bridge, seq), mnt.path, "bench", staging_bytes=args.staging << 20)
-        with agent:
-            live = mnt.path / "engines" / "bench" / "bench"
-            wait_for(lambda: live.exists(), what="the live session")
-
-            def snapshot_only():
-                (live / "manifest.json").read_bytes()
-            rows.append(("live: manifest.json (pin, gather, sha256)", size, _best(snapshot_only, args.repeat)))
-
-            def snapshot_read():
-                got = read_tree(live)
-                assert got >= size
-            rows.append(("live: snapshot read (manifest + pages)", size, _best(snapshot_read, args.repeat)))
-
-            j = iter(range(1000))
-
-            def cp_live():
-                subprocess.run(["cp", "-r", str(live), str(mnt.path / f"snap-{next(j)}")], check=True)
-            rows.append(("live: cp -r into the store", size, _best(cp_live, args.repeat)))
-            # Snapshots are released once idle; check the pins went back.
-            wait_for(lambda: alloc.num_free() == pool.num_blocks - n, what="pins released")
+        rows = measure(args, pool, bridge, alloc, seq, size, n, mnt)
     finally:
         rc = mnt.stop()
         mnt.cleanup()
         if rc != 0:
             print(f"warning: the pffs daemon exited {rc}", file=sys.stderr)
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    report(rows)
+    return 0
 
+
+def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int, n: int,
+            mnt: Mount) -> list[tuple[str, int, float]]:
+    """(what, bytes, best seconds) of each measurement, the engine attaching in between."""
+    rows = []
+
+    def mem():
+        bridge.page_out([seq], MemorySession())
+    rows.append(("bridge page-out -> memory (gather + sha256)", size, _best(mem, args.repeat)))
+
+    k = iter(range(1000))
+
+    def out_mount():
+        bridge.page_out([seq], mnt.path / f"direct-{next(k)}")
+    rows.append(("bridge page-out -> mount (store)", size, _best(out_mount, args.repeat)))
+
+    agent = Agent(PoolAdapter(bridge, seq), mnt.path, "bench", staging_bytes=args.staging << 20)
+    with agent:
+        live = mnt.path / "engines" / "bench" / "bench"
+        wait_for(lambda: live.exists(), what="the live session")
+
+        def snapshot_only():
+            (live / "manifest.json").read_bytes()
+        rows.append(("live: manifest.json (pin, gather, sha256)", size, _best(snapshot_only, args.repeat)))
+
+        def snapshot_read():
+            got = read_tree(live)
+            assert got >= size
+        rows.append(("live: snapshot read (manifest + pages)", size, _best(snapshot_read, args.repeat)))
+
+        j = iter(range(1000))
+
+        def cp_live():
+            subprocess.run(["cp", "-r", str(live), str(mnt.path / f"snap-{next(j)}")], check=True)
+        rows.append(("live: cp -r into the store", size, _best(cp_live, args.repeat)))
+        # Snapshots are released once idle; check the pins went back.
+        wait_for(lambda: alloc.num_free() == pool.num_blocks - n, what="pins released")
+    return rows
+
+
+def report(rows: list[tuple[str, int, float]]) -> None:
     width = max(len(r[0]) for r in rows)
     base = {r[0]: r for r in rows}
     for name, nbytes, secs in rows:
@@ -170,7 +186,6 @@ def main() -> int:
     cp_live = base["live: cp -r into the store"][2]
     print(f"live snapshot read vs page-out into memory: {direct_mem / live_read:.2f}x the speed")
     print(f"cp -r of the live session vs page-out through the mount: {direct_mount / cp_live:.2f}x the speed")
-    return 0
 
 
 def _best(fn, repeat: int) -> float:

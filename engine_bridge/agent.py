@@ -33,6 +33,7 @@ import json
 import logging
 import mmap
 import os
+import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -619,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     gone = threading.Event()
     agent = Agent(adapter, args.mount, args.name, staging_bytes=_size(args.staging),
                   on_detach=lambda a: gone.set())
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # detach on the way out
     try:
         agent.attach()
     except protocol.Refused as e:
@@ -643,8 +645,9 @@ def main(argv: list[str] | None = None) -> int:
                 if gone.wait(args.interval):
                     break
                 adapter.step(["demo-1"])
-            gone.wait()
-    except KeyboardInterrupt:
+            while not gone.wait(0.5):   # attached until interrupted or unmounted
+                pass
+    except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         agent.detach()
