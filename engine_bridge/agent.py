@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--demo", action="store_true", help="decode a prompt as request demo-1, then idle")
     mode.add_argument("--control", action="store_true", help="JSON commands on stdin, answers on stdout")
-    ap.add_argument("--steps", type=int, default=200, help="--demo: tokens to decode")
+    ap.add_argument("--steps", type=int, default=200, help="--demo: steps to run (each decodes every sequence)")
     ap.add_argument("--interval", type=float, default=0.05, help="--demo: seconds between steps")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -636,15 +636,20 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"ok": True, "attached": args.name, "pid": os.getpid()}), flush=True)
             _Controller(engine, adapter, agent).loop()
         else:
-            prompt = tokenize(PROMPT, cfg.vocab_size)
-            with adapter.lock:
-                engine.add_request("demo-1", prompt)
-            print(f"engine {args.name}: request demo-1 ({len(prompt)} prompt tokens) is live under "
-                  f"{Path(args.mount) / 'engines' / args.name / 'demo-1'}", file=sys.stderr)
-            for i in range(args.steps if args.demo else 0):
+            if args.demo:
+                prompt = tokenize(PROMPT, cfg.vocab_size)
+                with adapter.lock:
+                    engine.add_request("demo-1", prompt)
+                print(f"engine {args.name}: request demo-1 ({len(prompt)} prompt tokens) is live under "
+                      f"{Path(args.mount) / 'engines' / args.name / 'demo-1'}", file=sys.stderr)
+            for _ in range(args.steps if args.demo else 0):
                 if gone.wait(args.interval):
                     break
-                adapter.step(["demo-1"])
+                with adapter.lock:
+                    # Every sequence with its tokens decodes, sessions copied in too.
+                    ids = [s.id for s in engine.seq_blocks() if s.token_ids is not None]
+                    if ids:
+                        engine.step(ids)
             while not gone.wait(0.5):   # attached until interrupted or unmounted
                 pass
     except (KeyboardInterrupt, SystemExit):

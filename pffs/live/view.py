@@ -193,13 +193,14 @@ class LiveView:
         return self._attr(ENGINES_INO, stat.S_IFDIR | 0o755, nlink=2 + len(self.reg.engines))
 
     def _engine_attr(self, eng: LiveEngine) -> pyfuse3.EntryAttributes:
-        return self._attr(self.base(eng.key), stat.S_IFDIR | 0o755, uid=eng.reg.uid, gid=eng.reg.gid,
-                          nlink=2, mtime_ns=eng.attached_ns)
+        # Owned by the mount's owner (not the engine's uid, which may be root):
+        # that is who copies sessions in.
+        return self._attr(self.base(eng.key), stat.S_IFDIR | 0o755, nlink=2, mtime_ns=eng.attached_ns)
 
     def _session_attr(self, entry: SessionEntry, j: int = 0, snap: Snapshot | None = None,
                       ix: int = 0) -> pyfuse3.EntryAttributes:
         eng = entry.engine
-        uid, gid = eng.reg.uid, eng.reg.gid
+        uid, gid = self.reg.uid, self.reg.gid
         t = snap.taken_ns if snap is not None else eng.attached_ns
         base = self.base(entry.key)
         if j == 0:
