@@ -8,7 +8,9 @@ A session of real bf16 KV pages (varied so that every page differs) is
 2. pushed, pulled into a second mount with an empty cache folder (metadata
    only), and paged in cold (every page read from the bucket) by N reader
    threads, beside plain boto3 ``get_object`` of the same bytes by N threads;
-3. paged in again warm (from the mount's local cache).
+3. paged in again warm (from the mount's local cache);
+4. for scale, paged out into and in from a mount of a local store (same
+   threads, same pages): what hashing, compression and FUSE cost here alone.
 MB/s count page bytes (before compression) in every row.
 
 S3 server: a SeaweedFS started on loopback ports for the run (the ``weed``
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import kv_pages  # noqa: E402
+from mountutil import Mount  # noqa: E402
 from seaweed import Seaweed, s3_mount_class, weed_problem  # noqa: E402
 from sessions import make_manifest, varied_pages  # noqa: E402
 
@@ -129,6 +132,23 @@ def main() -> int:
         m2.stop()
         m2.start()
         t_warm = timed(lambda: list(pool.map(read_file, names)))
+        for m in (m1, m2):
+            m.stop()
+
+        (work / "local").mkdir()
+        local = Mount(work / "local")
+        mounts.append(local)
+        local.start()
+        lsess = local / "s"
+
+        def local_out():
+            (lsess / "pages").mkdir(parents=True)
+            list(pool.map(lambda i: write_file(lsess / "pages" / mf.page_name(i), pages[i]), range(n)))
+            write_file(lsess / "manifest.json", manifest)
+        t_lout = timed(local_out)
+        local.stop()
+        local.start()
+        t_lin = timed(lambda: list(pool.map(read_file, [lsess / "pages" / mf.page_name(i) for i in range(n)])))
 
         print(f"\n{'':38} {'seconds':>8} {'MB/s':>8}")
         print(f"{'page-out through the mount':38} {t_out:8.2f} {mb / t_out:8.0f}")
@@ -136,6 +156,8 @@ def main() -> int:
         print(f"{'page-in through a second mount (cold)':38} {t_in:8.2f} {mb / t_in:8.0f}")
         print(f"{'boto3 get_object, same bytes':38} {t_get:8.2f} {mb / t_get:8.0f}")
         print(f"{'page-in again (local cache)':38} {t_warm:8.2f} {mb / t_warm:8.0f}")
+        print(f"{'page-out, mount of a local store':38} {t_lout:8.2f} {mb / t_lout:8.0f}")
+        print(f"{'page-in, mount of a local store':38} {t_lin:8.2f} {mb / t_lin:8.0f}")
         print(f"pull of {n} pages (metadata only): {t_pull:.2f} s, command start-up included")
         print(f"page-out / boto3 put: {t_put / t_out:.2f}x   page-in / boto3 get: {t_get / t_in:.2f}x")
         print(f"bucket: {stored / 2**20:.1f} MiB of frames for {n * len(pages[0]) / 2**20:.1f} MiB of pages"

@@ -118,6 +118,7 @@ class RemoteMount:
         self._written: tuple[frozenset, float] | None = None  # (digests, monotonic time) of the last write
         self._reachable = True
         self._conn: sqlite3.Connection | None = None
+        self._local = threading.local()  # a read connection per content thread
 
     def _references(self) -> set[str]:
         if self._conn is None:
@@ -188,6 +189,13 @@ class RemoteMount:
         if self._conn is not None:
             self._conn.close()
         self.blobs.close()
+
+    def known(self, digest: str) -> bool:
+        """Whether the namespace has a blob row for *digest* (from any thread)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = ns.connect(self.db.path, readonly=True)
+        return conn.execute("SELECT 1 FROM blobs WHERE digest=?", (digest,)).fetchone() is not None
 
     def adopt(self, pages: list[str]) -> int:
         """Give the pages a manifest lists that the namespace lacks a blob row each, if the bucket has them.
@@ -273,6 +281,7 @@ def attach(daemon) -> RemoteMount:
     rm = RemoteMount(st.root, blobs, daemon.db, lease)
     rm.start()
     daemon.ops.content.adopt = rm.adopt
+    blobs.likely_stored = rm.known
     log.info("blobs in %s (cache %s, up to %d bytes); registered as %s, lease %.0f s",
              blobs.url, st.root, blobs.cache.limit, rm.key, lease)
     return rm

@@ -68,6 +68,11 @@ DEFAULT_CACHE = 128 << 20
 _PRESENT_TTL = 2.0
 _ABSENT_TTL = 2.0
 DOWN_HOLD = 1.0
+# Blobs up to this raw size that the mount does not know are put without a
+# HEAD first: the conditional PUT answers "already there" itself, and one
+# request beats two; larger ones are looked up first, so that a page another
+# mount stored is not sent again.
+PUT_FIRST_MAX = 1 << 20
 _META_RAW = "pffs-raw-size"
 _META_CODEC = "pffs-codec"
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
@@ -177,6 +182,9 @@ class S3BlobStore:
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
         self.reserve = None  # set by a mounted daemon; the cache never eats into it
+        # Set by a mount: whether its namespace knows the digest (then a HEAD
+        # before the upload is worth it, however small the blob).
+        self.likely_stored = None
         self.cache = FrameCache(self.root, DEFAULT_CACHE)
         self.endpoint = opts.get("endpoint") or None
         self.region = opts.get("region") or None
@@ -315,15 +323,21 @@ class S3BlobStore:
                 self._seen.clear()
             self._seen[digest] = (time.monotonic(), info)
 
+    def _recall(self, digest: Digest) -> tuple[bool, ObjectInfo | None]:
+        """(True, what a recent HEAD or put said) or (False, None)."""
+        with self._seen_lock:
+            hit = self._seen.get(digest)
+        if hit is not None and time.monotonic() - hit[0] < (_PRESENT_TTL if hit[1] is not None
+                                                            else _ABSENT_TTL):
+            return True, hit[1]
+        return False, None
+
     def stat(self, digest: Digest, *, fresh: bool = False) -> ObjectInfo | None:
         """HEAD of the blob (None if absent); recent answers are reused unless *fresh*."""
         if not fresh:
-            with self._seen_lock:
-                hit = self._seen.get(digest)
-            if hit is not None:
-                age = time.monotonic() - hit[0]
-                if age < (_PRESENT_TTL if hit[1] is not None else _ABSENT_TTL):
-                    return hit[1]
+            known, info = self._recall(digest)
+            if known:
+                return info
         info = self._head(self.key(digest))
         self._remember(digest, info)
         return info
@@ -411,9 +425,13 @@ class S3BlobStore:
         if digest is None:
             digest = digest_of(data)
         raw_size = memoryview(data).nbytes
-        info = self.stat(digest)
+        known, info = self._recall(digest)
+        if not known and (raw_size > PUT_FIRST_MAX or (self.likely_stored is not None
+                                                       and self.likely_stored(digest))):
+            info = self.stat(digest)  # a HEAD may spare the upload
         if info is not None:
             return PutResult(digest, raw_size, info.stored_size, info.codec, True)
+        # New, or small enough that the conditional PUT itself is the cheaper question.
         if frame is None:
             frame = codec_mod.encode(data, codec or self.codec)
         elif callable(frame):
@@ -428,12 +446,14 @@ class S3BlobStore:
                 raise
             fut.add_done_callback(lambda _f: self._inflight.release())
             batch._add(fut)
-        else:
-            self._upload(digest, frame, raw_size, codec_name)
-        return PutResult(digest, raw_size, len(frame), codec_name, False)
+            return PutResult(digest, raw_size, len(frame), codec_name, False)
+        existed = self._upload(digest, frame, raw_size, codec_name)
+        return PutResult(digest, raw_size, len(frame), codec_name, existed)
 
-    def _upload(self, digest: Digest, frame: bytes, raw_size: int, codec_name: str) -> None:
+    def _upload(self, digest: Digest, frame: bytes, raw_size: int, codec_name: str) -> bool:
+        """PUT the frame unless the key exists; True if it did (someone stored the blob first)."""
         from botocore.exceptions import BotoCoreError, ClientError
+        existed = False
         key = self.key(digest)
         meta = {_META_RAW: str(raw_size), _META_CODEC: codec_name}
         self._check_up(f"PUT {key}")
@@ -448,7 +468,8 @@ class S3BlobStore:
             except ClientError as e:
                 status = _status(e)
                 if status == 412:
-                    break  # another writer stored it first: same bytes
+                    existed = True  # stored before (by us or another writer): same bytes
+                    break
                 if status == 501 and self._conditional_put:
                     self._conditional_put = False  # no conditional puts here: overwrite alike bytes
                     continue
@@ -456,6 +477,7 @@ class S3BlobStore:
                     # A concurrent conditional put of the same key: let it finish, look again.
                     time.sleep(0.1 * (attempt + 1))
                     if self._head(key) is not None:
+                        existed = True
                         break
                     continue
                 raise self._error(f"PUT {key}", e) from None
@@ -463,6 +485,7 @@ class S3BlobStore:
                 raise self._error(f"PUT {key}", e) from None
         self._remember(digest, ObjectInfo(len(frame), raw_size, codec_name, time.time()))
         self._cache_frame(digest, frame)
+        return existed
 
     def _cache_frame(self, digest: Digest, frame: bytes) -> None:
         if self.reserve is not None:
