@@ -343,30 +343,46 @@ class LiveEngine:
         page) uses the reader's snapshot, else the session's latest one
         while it is in use, else takes one.
         """
+        if not fresh:
+            s = self._usable(entry, pid)
+            if s is not None:
+                return self._bind(entry, pid, s)
         async with entry.lock:
-            now = time.monotonic()
             s = entry.bound.get(pid)
             if s is not None and s.released:
                 s = None
             if fresh:
-                if s is not None and (s.opened or now - s.taken > SNAPSHOT_REUSE):
+                if s is not None and (s.opened or time.monotonic() - s.taken > SNAPSHOT_REUSE):
                     s = None
-            elif s is None:
-                latest = entry.latest
-                if latest is not None and not latest.released and (
-                        latest.refs or now - latest.last_used < SNAPSHOT_IDLE):
-                    s = latest
+            else:
+                s = self._usable(entry, pid)    # taken by another reader while we waited
             if s is None:
                 s = await self._take(entry)
             if fresh:
                 s.opened = True
-            old = entry.bound.get(pid)
-            entry.bound[pid] = s
-            entry.latest = s
-            s.last_used = time.monotonic()
-            if old is not None and old is not s and not old.refs and old not in entry.bound.values():
-                self.release(old)
+            return self._bind(entry, pid, s)
+
+    def _usable(self, entry: SessionEntry, pid: int) -> Snapshot | None:
+        """The reader's own snapshot, else the session's latest while in use, else None."""
+        s = entry.bound.get(pid)
+        if s is not None and not s.released:
             return s
+        latest = entry.latest
+        if latest is not None and not latest.released and (
+                latest.refs or time.monotonic() - latest.last_used < SNAPSHOT_IDLE):
+            return latest
+        return None
+
+    def _bind(self, entry: SessionEntry, pid: int, s: Snapshot) -> Snapshot:
+        old = entry.bound.get(pid)
+        entry.bound[pid] = s
+        if entry.latest is None or entry.latest.released or entry.latest.taken <= s.taken:
+            entry.latest = s
+        s.last_used = time.monotonic()
+        if (old is not None and old is not s and not old.refs and old is not entry.latest
+                and old not in entry.bound.values()):
+            self.release(old)
+        return s
 
     async def _take(self, entry: SessionEntry) -> Snapshot:
         if len(self.snapshots) >= MAX_SNAPSHOTS and not self._release_idlest():

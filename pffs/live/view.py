@@ -277,8 +277,11 @@ class LiveView:
     async def _find_session(self, eng: LiveEngine, name: bytes, pid: int) -> SessionEntry | None:
         sname = os.fsdecode(name)
         entry = eng.entries.get(sname)
-        if entry is not None and (entry.incoming is not None or self._bound(entry, pid) is not None):
-            return entry
+        if entry is not None:
+            mine = entry.bound.get(pid)
+            # A reader keeps seeing a session it is reading, even once it ended.
+            if entry.incoming is not None or (mine is not None and not mine.released):
+                return entry
         names = await eng.names()
         if sname not in names:
             names = await eng.names(max_age=0.05)   # a request that just started
