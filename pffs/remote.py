@@ -51,7 +51,7 @@ import zstandard
 from . import manifest as mf
 from . import namespace as ns
 from .errors import PffsError, StoreUnavailable
-from .store.s3 import BLOBS, MANIFESTS, MOUNTS, TRASH, S3BlobStore, default_cache_dir, url_of
+from .store.s3 import BLOBS, MANIFESTS, MOUNTS, TRASH, S3BlobStore, open_url, url_of
 from .types import Digest, is_digest
 
 log = logging.getLogger("pffs.remote")
@@ -296,8 +296,7 @@ def store_of(path: str | os.PathLike | None, store: str | None) -> S3BlobStore:
     if store:
         url = url_of(store)
         if url is not None:
-            # Only the bucket is needed: no cache folder is bound for that.
-            return S3BlobStore(default_cache_dir(url), url)
+            return open_url(url)
         sd = StoreDir(store)
         if sd.url is None:
             raise PffsError(f"{store} is a local store; push, pull and ls-remote need an s3:// store")
@@ -484,7 +483,7 @@ def collect_cli(store: str, **kw) -> BucketGcResult:
     from .storedir import StoreDir
     url = url_of(store)
     if url is not None:
-        return collect(S3BlobStore(default_cache_dir(url), url), **kw)
+        return collect(open_url(url), **kw)
     sd = StoreDir(store)
     return collect(sd.blobs, namespace_root=sd.root if sd.exists() else None, **kw)
 

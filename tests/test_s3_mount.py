@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 
@@ -105,6 +106,22 @@ def test_push_refuses_pages_missing_from_the_bucket(weed, s3_mounts, bf16_pages)
     r = pffs("push", m1 / "t", check=False)
     assert r.returncode == 1 and "page 000002" in r.stderr and "nothing published" in r.stderr
     assert weed.objects(bucket, "p/manifests/") == {}
+
+
+def test_large_file_in_blocks_reads_back_from_the_bucket(weed, s3_mounts):
+    from pffs.namespace import BLOCK_SIZE
+    bucket = weed.make_bucket()
+    m = s3_mounts("m", f"s3://{bucket}/big")
+    data = os.urandom(BLOCK_SIZE + (3 << 20))
+    (m / "big.bin").write_bytes(data)
+    blocks = [digest(data[:BLOCK_SIZE]), digest(data[BLOCK_SIZE:])]
+    assert set(blob_objects(weed, bucket, "big")) == set(blocks)
+    assert os.getxattr(m / "big.bin", "user.pffs.digest").decode() == digest(data)
+    # From the bucket alone: no frames cached, a fresh daemon.
+    assert m.stop() == 0
+    shutil.rmtree(m.store / "blobs")
+    m.start()
+    assert (m / "big.bin").read_bytes() == data
 
 
 # ------------------------------------------------------------- the engine

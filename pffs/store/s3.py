@@ -159,6 +159,22 @@ def open_remote(root: Path, url: str | None, options: dict | None = None,
     return S3BlobStore(root, url_of(cfg["url"]), options=options, **kwargs)
 
 
+def open_url(url: str) -> "S3BlobStore":
+    """The bucket of *url* for a tool, with the endpoint its default cache folder remembers.
+
+    Binds nothing and writes nothing: only the bucket is needed.
+    """
+    root = default_cache_dir(url)
+    options = {}
+    try:
+        cfg = read_config(root)
+    except PffsError:
+        cfg = None
+    if cfg is not None and url_of(cfg["url"]) == url:
+        options = {k: cfg[k] for k in _PERSISTED if cfg.get(k)}
+    return S3BlobStore(root, url, options=options)
+
+
 # -- the store ----------------------------------------------------------------
 
 @dataclass(frozen=True)
