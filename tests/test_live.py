@@ -164,6 +164,8 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     run("cp", "-r", live, mnt / "snap")
     e1("page_out", ids=["req-1"], dest=str(tmp_path / "direct"))
     assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
+    # One page read on its own (no manifest.json read first) is the same page.
+    assert (live / "pages/000003").read_bytes() == (tmp_path / "direct/pages/000003").read_bytes()
     m = assert_self_consistent(mnt / "snap")
     tokens = e1("state")["seqs"]["req-1"]["tokens"]
     assert m.logical_seqs[0].token_ids == tokens[:-1]       # KV covers all but the newest token

@@ -12,10 +12,10 @@ A snapshot is taken by the engine between steps: the session's token count
 and block list, each block pinned by a reference so it is neither freed nor
 reused.  KV of the tokens it covers never changes and slots past them are
 zeroed in the page bytes, so its pages read the same bytes for as long as it
-lives, while the sequence keeps decoding.  The daemon gathers every page once
-to compute the digests manifest.json lists; pages that still sit in staging
-when read are served from there, others are gathered again from the pinned
-blocks.
+lives, while the sequence keeps decoding.  When manifest.json is first
+needed, the daemon gathers every page once to compute the digests it lists;
+pages that still sit in staging when read are served from there, others are
+gathered again from the pinned blocks.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ class Snapshot:
     id: int
     session: str
     n_pages: int
-    manifest: bytes = b""
+    skeleton: mf.Manifest | None = None     # the manifest, page digests still placeholders
+    manifest: bytes | None = None           # manifest.json, once every page was hashed
+    digesting: trio.Event | None = None
     taken_ns: int = field(default_factory=time.time_ns)
     taken: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -394,19 +396,38 @@ class LiveEngine:
         self.snapshots[snap.id] = snap
         self.slots.live_snaps.add(snap.id)
         try:
-            try:
-                m = mf.parse(reply["manifest"])
-            except (mf.ManifestError, KeyError, TypeError) as e:
-                log.error("engine %s sent an invalid manifest for %s: %s", self.name, entry.name, e)
-                raise EngineError("invalid manifest from the engine") from None
-            if len(m.pages) != snap.n_pages:
-                raise EngineError("manifest and page count disagree")
-            m.pages = await self._digests(snap)
-            snap.manifest = m.to_json()
-        except BaseException:
+            snap.skeleton = mf.parse(reply["manifest"])
+            if len(snap.skeleton.pages) != snap.n_pages:
+                raise mf.ManifestError("pages", f"{len(snap.skeleton.pages)} listed, {snap.n_pages} pinned")
+        except (mf.ManifestError, KeyError, TypeError) as e:
+            log.error("engine %s sent an invalid manifest for %s: %s", self.name, entry.name, e)
             self.release(snap)
-            raise
+            raise EngineError("invalid manifest from the engine") from None
         return snap
+
+    async def manifest_of(self, snap: Snapshot) -> bytes:
+        """manifest.json of a snapshot: every page gathered once and hashed, the first time it is needed.
+
+        Listing pages/ or reading one page needs none of this; a stat or a
+        read of manifest.json does.
+        """
+        while snap.manifest is None:
+            if snap.digesting is not None:
+                await snap.digesting.wait()
+                continue
+            ev = snap.digesting = trio.Event()
+            snap.refs += 1      # not released while its pages are being hashed
+            try:
+                pages = await self._digests(snap)
+                m = snap.skeleton
+                m.pages = pages
+                snap.manifest = m.to_json()
+            finally:
+                snap.refs -= 1
+                snap.last_used = time.monotonic()
+                snap.digesting = None
+                ev.set()
+        return snap.manifest
 
     def release(self, snap: Snapshot) -> None:
         """Unpin a snapshot in the engine and forget its pages."""

@@ -208,7 +208,7 @@ class LiveView:
         if j == PAGES_J:
             return self._attr(base + PAGES_J, stat.S_IFDIR | 0o755, uid=uid, gid=gid, nlink=2, mtime_ns=t)
         if j == MANIFEST_J:
-            size = len(snap.manifest) if snap is not None else 0
+            size = len(snap.manifest) if snap is not None and snap.manifest is not None else 0
             return self._attr(base + MANIFEST_J, stat.S_IFREG | 0o644, size, uid, gid, mtime_ns=t)
         return self._attr(base + PAGE_OFFSET + ix, stat.S_IFREG | 0o644, eng.page_bytes, uid, gid,
                           mtime_ns=t)
@@ -253,6 +253,7 @@ class LiveView:
         if kind == "session":
             if name == MANIFEST:
                 snap = await obj.engine.snapshot_for(obj, _pid(ctx), fresh=False)
+                await obj.engine.manifest_of(snap)
                 return self._session_attr(obj, MANIFEST_J, snap)
             if name == PAGES:
                 return self._session_attr(obj, PAGES_J, self._bound(obj, _pid(ctx)))
@@ -301,6 +302,7 @@ class LiveView:
         pid = _pid(ctx)
         if kind == "manifest":
             snap = await obj.engine.snapshot_for(obj, pid, fresh=False)
+            await obj.engine.manifest_of(snap)
             return self._session_attr(obj, MANIFEST_J, snap)
         snap = self._bound(obj, pid)
         if kind == "session":
@@ -445,7 +447,9 @@ class LiveView:
                 raise FUSEError(errno.EACCES)
             pid = _pid(ctx)
             snap = await obj.engine.snapshot_for(obj, pid, fresh=kind == "manifest")
-            if kind == "page" and extra >= snap.n_pages:
+            if kind == "manifest":
+                await obj.engine.manifest_of(snap)
+            elif extra >= snap.n_pages:
                 raise FUSEError(errno.ENOENT)
             snap.refs += 1
             h = Handle(kind, obj, snap, extra or 0)
