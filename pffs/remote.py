@@ -347,8 +347,12 @@ def push(session: str, name: str | None = None, *, store: str | None = None,
     return name, len(m.pages)
 
 
-def pull(name: str, dest: str) -> tuple[int, int]:
-    """Make the published session NAME appear at DEST in a mount; returns (pages present, pages listed)."""
+def pull(name: str, dest: str, *, store: str | None = None) -> tuple[int, int]:
+    """Make the published session NAME appear at DEST in a mount; returns (pages present, pages listed).
+
+    The bucket is the one DEST's mount uses (its pages must be there); *store*,
+    if given, must name that same bucket.
+    """
     check_name(name)
     d = Path(dest)
     if d.exists() or d.is_symlink():
@@ -356,6 +360,8 @@ def pull(name: str, dest: str) -> tuple[int, int]:
     if not d.parent.is_dir():
         raise PffsError(f"{d.parent}: no such folder")
     blobs = store_of(d.parent, None)
+    if store and store_of(None, store).url != blobs.url:
+        raise PffsError(f"{d.parent} is in a mount of {blobs.url}, not of {store_of(None, store).url}")
     got = blobs.get_object(MANIFESTS + name)
     if got is None:
         raise PffsError(f"no session {name!r} is published in {blobs.url} (see pffs ls-remote)")
@@ -564,7 +570,7 @@ def _cmd_push(args) -> int:
 
 
 def _cmd_pull(args) -> int:
-    present, n = pull(args.name, args.dest)
+    present, n = pull(args.name, args.dest, store=args.store)
     if present < n:
         print(f"pffs pull: {args.dest}: {n - present} of {n} pages are not in the bucket;"
               " the session is incomplete", file=sys.stderr)
@@ -608,6 +614,7 @@ def add_commands(sub) -> None:
     s = sub.add_parser("pull", help="make a session published in the bucket appear in a mount")
     s.add_argument("name")
     s.add_argument("dest", help="new folder in a mount of the same S3 store")
+    s.add_argument("--store", help="the store published to (checked against DEST's mount)")
     s.set_defaults(func=_cmd_pull)
 
     s = sub.add_parser("ls-remote", help="list the sessions published in the bucket")

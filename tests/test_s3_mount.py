@@ -68,7 +68,7 @@ def test_push_pull_between_mounts_moves_metadata_only(weed, s3_mounts, bf16_page
     r = pffs("push", m1 / "agent", "agent-a", check=False)
     assert r.returncode == 1 and "already published" in r.stderr
 
-    r = pffs("pull", "agent-a", m2 / "b")
+    r = pffs("pull", "agent-a", m2 / "b", "--store", url)
     assert "12 pages" in r.stdout
     assert sorted(os.listdir(m2 / "b" / "pages")) == [mf.page_name(i) for i in range(12)]
     assert (m2 / "b" / "manifest.json").read_bytes() == manifest
@@ -93,6 +93,8 @@ def test_push_pull_between_mounts_moves_metadata_only(weed, s3_mounts, bf16_page
     assert r.returncode == 1 and "no session 'no-such'" in r.stderr and not (m2 / "x").exists()
     r = pffs("pull", "agent-a", m2 / "b", check=False)
     assert r.returncode == 1 and "already exists" in r.stderr
+    r = pffs("pull", "agent-a", m2 / "y", "--store", f"s3://{bucket}/elsewhere", check=False)
+    assert r.returncode == 1 and f"in a mount of {url}, not of s3://{bucket}/elsewhere" in r.stderr
 
 
 def test_push_refuses_pages_missing_from_the_bucket(weed, s3_mounts, bf16_pages):
