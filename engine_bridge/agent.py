@@ -180,9 +180,11 @@ class _ShmSource:
 
 
 class _Snap:
+    """A pinned snapshot: per page, its block and used token slots; the blocks pinned."""
+
     __slots__ = ("blocks", "used", "pinned", "event")
 
-    def __init__(self, blocks, used, pinned, event):
+    def __init__(self, blocks: list[BlockId], used: list[int], pinned: list[BlockId], event):
         self.blocks, self.used, self.pinned, self.event = blocks, used, pinned, event
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .. import manifest as mf
-from ..types import Digest, digest_of
+from ..types import Digest, PageIndex, digest_of
 from .channel import TrioChannel
 from .incoming import IncomingSession, memfd_with
 from .protocol import ProtocolError
@@ -463,7 +463,7 @@ class LiveEngine:
     def _batch(self) -> int:
         return max(1, min(self.slots.n // 4, BATCH_BYTES // self.page_bytes, 256))
 
-    async def _gather(self, snap: Snapshot, ixs: list[int]) -> None:
+    async def _gather(self, snap: Snapshot, ixs: list[PageIndex]) -> None:
         """One gather of (at most) the pages *ixs* into claimed slots."""
         if snap.released:
             raise EngineGone(f"snapshot of {snap.session} is gone")
@@ -486,7 +486,7 @@ class LiveEngine:
                 self.slots.unclaim(slots)
             ev.set()
 
-    async def _ensure(self, snap: Snapshot, ixs: list[int], extra: list[int] = ()) -> None:
+    async def _ensure(self, snap: Snapshot, ixs: list[PageIndex], extra: list[PageIndex] = ()) -> None:
         """Pages *ixs* are READY when this returns (with *extra* gathered alongside if missing)."""
         slots = self.slots
         while True:
@@ -509,14 +509,14 @@ class LiveEngine:
             else:
                 return
 
-    async def _hold(self, snap: Snapshot, ixs: list[int]) -> list[int]:
+    async def _hold(self, snap: Snapshot, ixs: list[PageIndex]) -> list[int]:
         await self._ensure(snap, ixs)
         held = [self.slots.ready_slot((snap.id, ix)) for ix in ixs]
         for s in held:
             self.slots.hold(s)
         return held
 
-    async def _hash(self, ixs: list[int], held: list[int], out: list) -> None:
+    async def _hash(self, ixs: list[PageIndex], held: list[int], out: list) -> None:
         pb, shm = self.page_bytes, self.shm
 
         def work() -> list[Digest]:
@@ -558,7 +558,7 @@ class LiveEngine:
                     self.slots.unhold(s)
         return out
 
-    async def read(self, snap: Snapshot, ix: int, off: int, size: int) -> bytes:
+    async def read(self, snap: Snapshot, ix: PageIndex, off: int, size: int) -> bytes:
         """Bytes of page *ix* of a snapshot, from staging (gathered with the next pages if missing)."""
         pb = self.page_bytes
         end = min(pb, off + size)

@@ -17,9 +17,11 @@ from collections import OrderedDict
 
 import trio
 
+from ..types import PageIndex
+
 FREE, LOADING, READY = range(3)
 
-Key = tuple[int, int]
+Key = tuple[int, PageIndex]     # (snapshot id, page index)
 
 
 class SlotCache:

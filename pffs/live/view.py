@@ -32,6 +32,7 @@ from pyfuse3 import FUSEError
 
 from .. import manifest as mf
 from ..namespace import ROOT_INODE, now_ns
+from ..types import FileHandle, InodeNo, PageIndex
 from .engines import (INCOMING_LIMIT, EngineError, EngineGone, EngineRefused, LiveEngine,
                       SessionEntry, Snapshot)
 from .incoming import MANIFEST, PAGES, IncomingSession, Node
@@ -72,7 +73,7 @@ class Handle:
     kind: str                      # "manifest", "page" or "file" (a file being copied in)
     entry: SessionEntry
     snap: Snapshot | None = None
-    ix: int = 0
+    ix: PageIndex = PageIndex(0)
     node: Node | None = None
     inc: IncomingSession | None = None
     writable: bool = False
@@ -80,7 +81,7 @@ class Handle:
 
 @dataclass(eq=False)
 class DirHandle:
-    ino: int
+    ino: InodeNo
     snap: Snapshot | None = None
 
 
@@ -121,8 +122,8 @@ class LiveView:
     def __init__(self, registry: "LiveEngines"):
         self.reg = registry
         #: shared with VirtualTree, whose read/release/flush routes find them there
-        self.handles: dict[int, Any] = {}
-        self.dirs: dict[int, DirHandle] = {}
+        self.handles: dict[FileHandle, Any] = {}
+        self.dirs: dict[FileHandle, DirHandle] = {}
         self._next_fh = FH_BASE
         self._next_dh = DH_BASE
         self._t = now_ns()
@@ -130,14 +131,14 @@ class LiveView:
     # -- numbering -----------------------------------------------------------
 
     @staticmethod
-    def owns(ino: int) -> bool:
+    def owns(ino: InodeNo) -> bool:
         return LIVE_BASE <= ino < FH_BASE
 
     @staticmethod
-    def base(key: int) -> int:
-        return LIVE_BASE + key * SPAN
+    def base(key: int) -> InodeNo:
+        return InodeNo(LIVE_BASE + key * SPAN)
 
-    def _resolve(self, ino: int):
+    def _resolve(self, ino: InodeNo):
         """(kind, object, extra) for an inode: engines / engine / session / manifest / pages / page / node."""
         if ino == ENGINES_INO:
             return "engines", None, None
@@ -169,7 +170,7 @@ class LiveView:
 
     # -- attributes ------------------------------------------------------------
 
-    def _attr(self, ino: int, mode: int, size: int = 0, uid: int | None = None,
+    def _attr(self, ino: InodeNo, mode: int, size: int = 0, uid: int | None = None,
               gid: int | None = None, nlink: int = 1, mtime_ns: int | None = None
               ) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -227,7 +228,7 @@ class LiveView:
     # -- lookups -----------------------------------------------------------------
 
     @_errors
-    async def lookup(self, parent: int, name: bytes, ctx) -> pyfuse3.EntryAttributes | None:
+    async def lookup(self, parent: InodeNo, name: bytes, ctx) -> pyfuse3.EntryAttributes | None:
         """Attributes of *name* in *parent*; None when *parent* is not ours (the root, mostly)."""
         if parent == ROOT_INODE:
             if name != ENGINES_NAME:
@@ -291,7 +292,7 @@ class LiveView:
         return None
 
     @_errors
-    async def getattr(self, ino: int, ctx) -> pyfuse3.EntryAttributes:
+    async def getattr(self, ino: InodeNo, ctx) -> pyfuse3.EntryAttributes:
         kind, obj, extra = self._resolve(ino)
         if kind == "engines":
             return self._engines_attr()
@@ -312,7 +313,7 @@ class LiveView:
         return self._session_attr(obj, PAGE_OFFSET, snap, extra)
 
     @_errors
-    async def setattr(self, ino: int, attr, fields, fh, ctx) -> pyfuse3.EntryAttributes:
+    async def setattr(self, ino: InodeNo, attr, fields, fh, ctx) -> pyfuse3.EntryAttributes:
         kind, obj, node = self._resolve(ino)
         if kind != "node":
             if fields.update_size:
@@ -345,7 +346,7 @@ class LiveView:
     # -- folders ---------------------------------------------------------------------
 
     @_errors
-    async def opendir(self, ino: int, ctx) -> int:
+    async def opendir(self, ino: InodeNo, ctx) -> FileHandle:
         kind, obj, node = self._resolve(ino)
         if kind in ("manifest", "page") or (kind == "node" and not node.is_dir):
             raise FUSEError(errno.ENOTDIR)
@@ -353,22 +354,22 @@ class LiveView:
         if kind == "pages":
             dh.snap = await obj.engine.snapshot_for(obj, _pid(ctx), fresh=False)
             dh.snap.refs += 1
-        fh = self._next_dh
+        fh = FileHandle(self._next_dh)
         self._next_dh += 1
         self.dirs[fh] = dh
         return fh
 
-    def owns_dir_handle(self, fh: int) -> bool:
+    def owns_dir_handle(self, fh: FileHandle) -> bool:
         return fh in self.dirs
 
-    def releasedir(self, fh: int) -> None:
+    def releasedir(self, fh: FileHandle) -> None:
         dh = self.dirs.pop(fh, None)
         if dh is not None and dh.snap is not None:
             dh.snap.refs -= 1
             dh.snap.last_used = time.monotonic()
 
     @_errors
-    async def readdir(self, fh: int, start_id: int, token) -> None:
+    async def readdir(self, fh: FileHandle, start_id: int, token) -> None:
         dh = self.dirs[fh]
         kind, obj, node = self._resolve(dh.ino)
         if kind == "engines":
@@ -423,14 +424,14 @@ class LiveView:
 
     # -- files -----------------------------------------------------------------------
 
-    def _new_handle(self, h: Handle) -> int:
-        fh = self._next_fh
+    def _new_handle(self, h: Handle) -> FileHandle:
+        fh = FileHandle(self._next_fh)
         self._next_fh += 1
         self.handles[fh] = h
         return fh
 
     @_errors
-    async def open(self, ino: int, flags: int, ctx) -> pyfuse3.FileInfo:
+    async def open(self, ino: InodeNo, flags: int, ctx) -> pyfuse3.FileInfo:
         kind, obj, extra = self._resolve(ino)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if kind in ("engines", "engine", "session", "pages") or (kind == "node" and extra.is_dir):
@@ -564,7 +565,7 @@ class LiveView:
             raise FUSEError(errno.EIO) from None
         log.info("engines/%s/%s: paged in (sequences %s)", eng.name, entry.name, ", ".join(seqs))
 
-    def _incoming_parent(self, parent: int) -> tuple[SessionEntry, IncomingSession, Node]:
+    def _incoming_parent(self, parent: InodeNo) -> tuple[SessionEntry, IncomingSession, Node]:
         kind, obj, node = self._resolve(parent)
         if kind != "node":
             raise FUSEError(errno.EACCES if kind in ("session", "pages") else errno.EPERM)
@@ -575,7 +576,7 @@ class LiveView:
         return obj, inc, node
 
     @_errors
-    async def mkdir(self, parent: int, name: bytes, mode: int, ctx) -> pyfuse3.EntryAttributes:
+    async def mkdir(self, parent: InodeNo, name: bytes, mode: int, ctx) -> pyfuse3.EntryAttributes:
         mode = stat.S_IMODE(mode) & ~ctx.umask
         kind, obj, _ = self._resolve(parent)
         if kind == "engine":
@@ -595,7 +596,7 @@ class LiveView:
         return self._node_attr(inc.make(node, name, stat.S_IFDIR | mode, ctx.uid, ctx.gid))
 
     @_errors
-    async def create(self, parent: int, name: bytes, mode: int, flags: int, ctx):
+    async def create(self, parent: InodeNo, name: bytes, mode: int, flags: int, ctx):
         entry, inc, node = self._incoming_parent(parent)
         if name in node.children:
             raise FUSEError(errno.EEXIST)
@@ -605,7 +606,7 @@ class LiveView:
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False), self._node_attr(child)
 
     @_errors
-    async def unlink(self, parent: int, name: bytes, ctx) -> None:
+    async def unlink(self, parent: InodeNo, name: bytes, ctx) -> None:
         entry, inc, node = self._incoming_parent(parent)
         child = node.children.get(name)
         if child is None:
@@ -615,7 +616,7 @@ class LiveView:
         self._account(entry.engine, -inc.detach(child))
 
     @_errors
-    async def rmdir(self, parent: int, name: bytes, ctx) -> None:
+    async def rmdir(self, parent: InodeNo, name: bytes, ctx) -> None:
         kind, obj, _ = self._resolve(parent)
         if kind == "engine":
             entry = obj.entries.get(os.fsdecode(name))
@@ -639,7 +640,7 @@ class LiveView:
         inc.detach(child)
 
     @_errors
-    async def rename(self, p_old: int, n_old: bytes, p_new: int, n_new: bytes, flags: int, ctx) -> None:
+    async def rename(self, p_old: InodeNo, n_old: bytes, p_new: InodeNo, n_new: bytes, flags: int, ctx) -> None:
         if not (self.owns(p_old) and self.owns(p_new)):
             raise FUSEError(errno.EXDEV)
         entry, inc, src_dir = self._incoming_parent(p_old)
