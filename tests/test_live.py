@@ -243,6 +243,37 @@ def test_snapshots_stay_consistent_while_the_engine_decodes(mnt, engines):
     assert got["logits"]["r"] == [logits[p] for p in range(n, n + 8)]
 
 
+def test_a_snapshot_being_read_outlives_its_request(mnt):
+    engine = ReferenceEngine(seed=SEED, num_blocks=16)
+    adapter = ReferenceAdapter(engine)
+    with Agent(adapter, mnt.path, "e1", staging_bytes=64 << 10):     # four slots: pages are re-gathered
+        engine.add_request("r", [(3 * i + 2) % 512 for i in range(100)])
+        for _ in range(6):
+            adapter.step()
+        live = mnt / "engines/e1/r"
+        m = mf.parse((live / "manifest.json").read_bytes())
+        assert len(m.pages) == 7
+        files = [open(live / "pages" / mf.page_name(i), "rb") for i in range(len(m.pages))]
+        try:
+            # The request ends and another one takes every free block and writes into them.
+            with adapter.lock:
+                engine.remove("r")
+                free = engine.allocator.num_free()
+                engine.add_request("other", [(5 * i + 3) % 512 for i in range(free * 16 - 1)])
+                engine.step()
+                assert engine.allocator.num_free() == 0
+            assert listing(mnt / "engines/e1") == ["other"]
+            for i, f in enumerate(files):
+                assert digest(f.read()) == m.pages[i], i
+        finally:
+            for f in files:
+                f.close()
+        # Once nobody reads it, the snapshot lets its blocks go.
+        with adapter.lock:
+            engine.remove("other")
+        wait_for(lambda: engine.allocator.num_free() == 16, what="the snapshot's blocks released")
+
+
 # ---------------------------------------------------------------------------------- failures
 
 
