@@ -120,13 +120,13 @@ class RemoteMount:
         self._conn: sqlite3.Connection | None = None
         self._local = threading.local()  # a read connection per content thread
 
-    def _references(self) -> set[str]:
+    def _references(self) -> tuple[set[str], set[str]]:
+        """(every digest to list, the pinned ones among them)."""
         if self._conn is None:
             self._conn = ns.connect(self.db.path)
-        refs = set(ns.iter_referenced_blobs(self._conn))
         with self._lock:
-            refs |= self._pinned
-        return refs
+            pinned = set(self._pinned)
+        return set(ns.iter_referenced_blobs(self._conn)) | pinned, pinned
 
     def _write(self, digests: set[str], state: str, ttl: float) -> None:
         reg = {"format": REGISTRATION_FORMAT, "id": self.id, "host": socket.gethostname(),
@@ -137,14 +137,13 @@ class RemoteMount:
 
     def renew(self, force: bool = False) -> bool:
         """Rewrite the registration if the references changed or a third of the lease passed."""
-        refs = frozenset(self._references())
+        digests, pinned = self._references()
+        refs = frozenset(digests)
         last = self._written
         if not force and last is not None and last[0] == refs \
                 and time.monotonic() - last[1] < self.lease / 3:
             return False
-        with self._lock:
-            pinned = set(self._pinned)
-        self._write(set(refs), "mounted", self.lease)
+        self._write(digests, "mounted", self.lease)
         self._written = (refs, time.monotonic())
         with self._lock:
             self._pinned -= pinned
@@ -182,7 +181,7 @@ class RemoteMount:
         if self._thread is not None:
             self._thread.join(30)
         try:
-            self._write(self._references(), "unmounted", KEEP_UNMOUNTED)
+            self._write(self._references()[0], "unmounted", KEEP_UNMOUNTED)
         except (StoreUnavailable, sqlite3.Error, OSError) as e:
             log.warning("unmount: registration %s not updated (%s); it expires with its lease",
                         self.key, e)
