@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import trio
 import zstandard
 
 from . import manifest as mf
