@@ -12,7 +12,7 @@ key *k* owns ``LIVE_BASE + k * SPAN`` and up::
 Keys are never reused while the daemon runs, so a re-attached engine gets
 new inodes.  Nothing here is cached by the kernel: attr and entry timeouts
 are 0 and every file is opened with direct_io.  Which snapshot a reader sees
-is decided by its pid (pffs.live.engines.LiveEngine.snapshot_for).
+is decided by its process (pffs.live.engines.LiveEngine.snapshot_for).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from .. import manifest as mf
+from ..fs.virtual import VIRT_BASE
 from ..namespace import ROOT_INODE, now_ns
 from ..types import FileHandle, InodeNo, PageIndex
 from .engines import (INCOMING_LIMIT, EngineError, EngineGone, EngineRefused, LiveEngine,
@@ -43,13 +44,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pffs.live")
 
-VIRT_BASE = 1 << 62             # pffs.fs.virtual.VIRT_BASE
 LIVE_BASE = VIRT_BASE + (1 << 60)
+LIVE_END = VIRT_BASE + (1 << 61)
 SPAN = 1 << 25
 PAGE_OFFSET = 1 << 24
 ENGINES_INO = LIVE_BASE
-FH_BASE = VIRT_BASE + (1 << 61)     # file handles (VirtualTree's own start at VIRT_BASE)
-DH_BASE = VIRT_BASE + (1 << 61)     # folder handles (a separate number space from files)
+# File and folder handles are two number spaces; VirtualTree's own start at VIRT_BASE.
+FH_BASE = VIRT_BASE + (1 << 61)
+DH_BASE = VIRT_BASE + (1 << 61)
 ENGINES_NAME = b"engines"
 ROOT_COOKIE = 1 << 62               # readdir cookie of engines/ in the root, past every row id
 MANIFEST_J, PAGES_J = 1, 2
@@ -132,7 +134,7 @@ class LiveView:
 
     @staticmethod
     def owns(ino: InodeNo) -> bool:
-        return LIVE_BASE <= ino < FH_BASE
+        return LIVE_BASE <= ino < LIVE_END
 
     @staticmethod
     def base(key: int) -> InodeNo:
