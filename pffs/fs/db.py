@@ -60,42 +60,6 @@ class WorkerPool:
             t.join(10)
 
 
-class WorkerThread:
-    """One long-lived thread running calls in order; cheaper than a thread-pool hop.
-
-    The caller's task sleeps until the thread hands the outcome back through
-    the trio token.  A call cannot be cancelled once queued (it runs to the
-    end, like a namespace transaction must).
-    """
-
-    def __init__(self, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            fn, args, token, task = job
-            result = outcome.capture(fn, *args)
-            try:
-                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-            except trio.RunFinishedError:
-                pass
-
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._q.put((fn, args, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()))
-        result = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-        return result
-
-    def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join(10)
-
-
 class Database:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
@@ -109,7 +73,8 @@ class Database:
         # Held by whichever worker thread uses ``rw``: the writer thread, or a
         # content thread committing the file it has just stored (saves a hop).
         self.rw_lock = threading.Lock()
-        self.writer = WorkerThread("pffs-db-writer")
+        # One thread: changes run one at a time, in the order they were asked for.
+        self.writer = WorkerPool(1, "pffs-db-writer")
         # Called when a commit finds the disk full; True if it made room.
         self.on_full: Callable[[], bool] | None = None
 
