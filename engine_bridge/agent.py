@@ -502,6 +502,21 @@ def _logits_digest(logits: torch.Tensor) -> str:
     return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
+def command_loop(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Answer JSON commands read from stdin, one reply line each, until ``exit``."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "exit":
+                break
+            reply = {"ok": True, **handle(cmd)}
+        except Exception as ex:
+            reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
+        print(json.dumps(reply), flush=True)
+
+
 class _Controller:
     """JSON commands on stdin, one answer per line on stdout (for scripts and tests)."""
 
@@ -574,17 +589,7 @@ class _Controller:
         raise ValueError(f"unknown command {c!r}")
 
     def loop(self) -> None:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            try:
-                cmd = json.loads(line)
-                if cmd.get("cmd") == "exit":
-                    break
-                reply = {"ok": True, **self.handle(cmd)}
-            except Exception as ex:
-                reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
-            print(json.dumps(reply), flush=True)
+        command_loop(self.handle)
 
 
 def _size(text: str) -> int:

@@ -27,7 +27,7 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Sequence
 
-from .agent import Agent, StepLock, _size
+from .agent import Agent, StepLock, _size, command_loop
 from .bridge import SeqBlocks
 from .pool import BlockId
 from .sessions import SessionSource
@@ -121,17 +121,7 @@ class _Controller:
         raise ValueError(f"unknown command {c!r}")
 
     def loop(self) -> None:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            try:
-                cmd = json.loads(line)
-                if cmd.get("cmd") == "exit":
-                    break
-                reply = {"ok": True, **self.handle(cmd)}
-            except Exception as ex:
-                reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
-            print(json.dumps(reply), flush=True)
+        command_loop(self.handle)
 
 
 def main(argv: list[str] | None = None) -> int:
