@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,15 +21,10 @@ import trio
 from .. import manifest as mf
 from ..errors import StoreFull
 from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
-from .. import codec as codec_mod
 from ..store.local import LocalBlobStore, PutBatch
 from ..types import Digest, digest_of
 from .db import WorkerPool
 from .staging import Staging
-
-
-# Blocks at least this big are compressed on another thread while hashed.
-PARALLEL_ENCODE_MIN = 64 << 10
 
 
 @dataclass
@@ -61,8 +55,6 @@ class ContentStore:
         # syncer (or a user's fsync) makes them durable in groups.
         self.sync_on_close = sync_on_close
         self.pending = PutBatch()
-        self._encoder = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
-                                           thread_name_prefix="pffs-encode")
         # Set by the daemon: the store's gc lock, held shared from a blob's
         # existence check to the commit naming it (see pffs.gc), and a
         # recount of stored bytes from the namespace (gc frees behind our back).
@@ -127,21 +119,13 @@ class ContentStore:
         rows: list[BlobRow] = []
         for bn in range(nblocks):
             data = stg.view(bn)
-            # Compress on a second core while this one hashes; the frame is
-            # dropped if the digest turns out to be stored already.
-            # (It gets its own copy: the staging buffer may change once we return.)
-            pending_frame = (self._encoder.submit(codec_mod.encode, bytes(data), self.blobs.codec)
-                             if len(data) >= PARALLEL_ENCODE_MIN else None)
             d = digest_of(data)
             if whole is not None:
                 whole.update(data)
             if self.max_size is not None and not self.blobs.contains(d) \
                     and not self._room_for(len(data)):
                 raise StoreFull(f"store limit of {self.max_size} bytes reached")
-            r = self.blobs.put(data, d, batch=batch,
-                               frame=pending_frame.result if pending_frame is not None else None)
-            if pending_frame is not None:
-                pending_frame.cancel()  # a dedup hit: the frame is not needed
+            r = self.blobs.put(data, d, batch=batch)
             if not r.existed:
                 self.stored_bytes += r.stored_size
             blocks.append(d)
