@@ -53,18 +53,8 @@ def mount_factory(tmp_path):
         return m.start() if start else m
 
     yield make
-    failures = []
-    for m in mounts:
-        try:
-            if m.proc is not None:
-                rc = m.stop()
-                if rc != 0:
-                    failures.append(f"daemon for {m.path} exited {rc}")
-        finally:
-            m.cleanup()
-        problems = m.log_problems()
-        if problems:
-            failures.append(f"daemon log of {m.path} has unexpected lines:\n" + "\n".join(problems[:20]))
+    from mountutil import stop_all
+    failures = stop_all(mounts)
     for m in {str(x.store): x for x in mounts}.values():
         if (m.store / "namespace.db").exists() and not getattr(m, "skip_check", False):
             r = m.check_store()

@@ -147,3 +147,20 @@ class Mount:
 
     def __truediv__(self, other) -> Path:
         return self.path / other
+
+
+def stop_all(mounts) -> list[str]:
+    """Unmount every mount; what went wrong (daemon exit status, unexpected log lines)."""
+    failures = []
+    for m in mounts:
+        try:
+            if m.proc is not None:
+                rc = m.stop()
+                if rc != 0:
+                    failures.append(f"daemon for {m.path} exited {rc}")
+        finally:
+            m.cleanup()
+        problems = m.log_problems()
+        if problems:
+            failures.append(f"daemon log of {m.path} has unexpected lines:\n" + "\n".join(problems[:20]))
+    return failures

