@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import sqlite3
 import sys
@@ -368,19 +367,8 @@ def pull(name: str, dest: str, *, store: str | None = None) -> tuple[int, int]:
         m = mf.parse(data)
     except mf.ManifestError as e:
         raise PffsError(f"{blobs.url} {name}: {e}") from None
-    d.mkdir()
-    try:
-        (d / mf.PAGES_DIR).mkdir()
-        fd = os.open(d / mf.MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)  # the close validates the manifest, looks its pages up and forks them
-    except OSError as e:
-        shutil.rmtree(d, ignore_errors=True)
-        raise PffsError(f"{d}: {e.strerror}") from None
+    from .tools import place_manifest
+    place_manifest(d, data)  # its close looks the pages up in the bucket and forks them
     present = sum(1 for i in range(len(m.pages)) if (d / mf.PAGES_DIR / mf.page_name(i)).exists())
     return present, len(m.pages)
 

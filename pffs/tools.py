@@ -94,21 +94,33 @@ def fork(src: str, dst: str) -> int:
         raise PffsError("fork needs SRC and DST on the same mounted pffs")
     data = man.read_bytes()
     try:
-        m = mf.parse(data)
+        mf.parse(data)
     except mf.ManifestError as e:
         raise PffsError(f"{man}: {e}") from None
+    place_manifest(d, data)
+    return len(os.listdir(d / mf.PAGES_DIR))
+
+
+def place_manifest(d: Path, data: bytes) -> None:
+    """Make session folder *d* with an empty ``pages/``, then write its manifest.json.
+
+    The close of the manifest validates it and, on a pffs mount, makes every
+    listed page whose blob is stored appear (the metadata-only fork).  On any
+    failure *d* is removed again.
+    """
     d.mkdir()
     try:
         (d / mf.PAGES_DIR).mkdir()
         fd = os.open(d / mf.MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         finally:
-            os.close(fd)  # the close validates the manifest and makes the pages appear
+            os.close(fd)
     except OSError as e:
         shutil.rmtree(d, ignore_errors=True)
         raise PffsError(f"{d}: {e.strerror}") from None
-    return len(os.listdir(d / mf.PAGES_DIR))
 
 
 def seal(session: str) -> tuple[int, int]:
