@@ -130,6 +130,11 @@ class Seaweed:
                 probe.put_object(Bucket=bucket, Key="probe", Body=b"ok")
                 probe.delete_object(Bucket=bucket, Key="probe")
                 probe.delete_bucket(Bucket=bucket)
+                # After a restart, also that objects stored before it read back:
+                # their volumes rejoin the master some moments after new writes work.
+                for b in probe.list_buckets().get("Buckets", []):
+                    for obj in probe.list_objects_v2(Bucket=b["Name"], MaxKeys=1000).get("Contents", []):
+                        probe.get_object(Bucket=b["Name"], Key=obj["Key"])["Body"].read()
                 return
             except Exception as e:  # not up yet: any error, until the deadline
                 last = e
