@@ -160,6 +160,9 @@ def stop_all(mounts) -> list[str]:
                     failures.append(f"daemon for {m.path} exited {rc}")
         finally:
             m.cleanup()
+        # Shown by pytest only when the test failed: what the daemon said last.
+        tail = m.log_text().splitlines()[-40:]
+        print(f"--- last lines of the daemon log of {m.path} ---", *tail, sep="\n")
         problems = m.log_problems()
         if problems:
             failures.append(f"daemon log of {m.path} has unexpected lines:\n" + "\n".join(problems[:20]))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
+import threading
 import time
 
 import pytest
@@ -165,3 +167,99 @@ def test_dead_endpoint_fails_in_bounded_time(tmp_path, bf16_pages):
     assert not store.contains(digest(bf16_pages[0]))
     assert time.monotonic() - t0 < 15
     store.close()
+
+
+class Blackhole:
+    """A TCP relay to a server that can swallow requests: while ``stall`` is set,
+    the connection that sends next is black-holed for good (no answer, not closed)."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.stall = False
+        self.swallowed = threading.Event()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self.target))
+            self.conns += [c, u]
+            threading.Thread(target=self._relay, args=(c, u), daemon=True).start()
+
+    def _relay(self, c: socket.socket, u: socket.socket) -> None:
+        holed = False
+        try:
+            while True:
+                r, _, _ = select.select([c, u], [], [], 0.5)
+                if self.closed:
+                    return
+                for s in r:
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    if s is c and self.stall:
+                        holed = True
+                        self.swallowed.set()
+                    if not holed:
+                        (u if s is c else c).sendall(data)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.closed = True
+        for s in [self.sock, *self.conns]:
+            s.close()
+
+
+def test_a_timeout_that_straddles_an_answer_does_not_hold_the_store(weed, tmp_path, bf16_pages):
+    """A request that times out after the endpoint answered others since it began
+    does not mark the endpoint silent: the next request is sent, not refused."""
+    hole = Blackhole(weed.s3)
+    bucket = weed.make_bucket()
+    store = S3BlobStore(tmp_path, f"s3://{bucket}/x", options={
+        "endpoint": f"http://127.0.0.1:{hole.port}", "s3_timeout": "1", "s3_retries": "1"})
+    try:
+        a, b = bf16_pages[0], bf16_pages[1]
+        store.put(a), store.put(b)
+        store.cache.discard(digest(a)), store.cache.discard(digest(b))
+        failed = []
+
+        def slow():
+            try:
+                store.get(digest(a))
+            except StoreUnavailable as e:
+                failed.append(e)
+        hole.stall = True
+        t = threading.Thread(target=slow)
+        t.start()
+        assert hole.swallowed.wait(10)
+        hole.stall = False
+        assert store.get(digest(b)) == b          # answered while the first request hangs
+        t.join(30)
+        assert failed and "timeout" in str(failed[0]).lower(), failed
+        store.cache.discard(digest(b))
+        assert store.get(digest(b)) == b          # sent at once, not refused as "no answer"
+        assert store.get(digest(a)) == a
+        # With nothing answered since it began, a timeout does hold: the next
+        # request fails at once instead of waiting out the timeout again.
+        store.cache.discard(digest(a))
+        hole.swallowed.clear()
+        hole.stall = True
+        with pytest.raises(StoreUnavailable, match="(?i)timeout"):
+            store.get(digest(a))
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no answer a moment ago"):
+            store.get(digest(b))
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        store.close()
+        hole.close()

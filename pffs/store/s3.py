@@ -234,6 +234,11 @@ class S3BlobStore:
         # do not each wait out the timeouts again.
         self._down_until = 0.0
         self._down_reason = ""
+        # A timeout only marks the endpoint silent if nothing answered since
+        # that request began: a slow request that straddles a restart must
+        # not fail the requests the endpoint is answering by then.
+        self._last_answer = 0.0
+        self._began = threading.local()
 
     # -- plumbing ------------------------------------------------------------
 
@@ -268,7 +273,14 @@ class S3BlobStore:
             session = boto3.session.Session(aws_access_key_id=self.access_key,
                                             aws_secret_access_key=self.secret_key,
                                             region_name="us-east-1")
-        return session.client("s3", endpoint_url=self.endpoint, config=config)
+        client = session.client("s3", endpoint_url=self.endpoint, config=config)
+        client.meta.events.register("response-received.s3", self._on_response)
+        return client
+
+    def _on_response(self, response_dict=None, **kw) -> None:
+        if response_dict is not None:  # the endpoint answered (any status)
+            self._last_answer = time.monotonic()
+            self._down_until = 0.0
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -287,7 +299,9 @@ class S3BlobStore:
         return f"{self.prefix}{area}{h[:2]}/{h}"
 
     def _check_up(self, what: str) -> None:
-        if time.monotonic() < self._down_until:
+        """Fail at once while the endpoint is held silent; else note when this request began."""
+        self._began.t = now = time.monotonic()
+        if now < self._down_until:
             raise StoreUnavailable(f"{self.url}: {what}: {self._down_reason}")
 
     def _call(self, op: str, what: str, **kw):
@@ -316,7 +330,8 @@ class S3BlobStore:
         else:
             from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
             why = str(e) or type(e).__name__
-            if isinstance(e, (ConnectTimeoutError, ReadTimeoutError)):
+            began = getattr(self._began, "t", 0.0)
+            if isinstance(e, (ConnectTimeoutError, ReadTimeoutError)) and self._last_answer <= began:
                 # Refused connections fail fast by themselves; only timeouts hold.
                 self._down_reason = f"no answer a moment ago ({why})"
                 self._down_until = time.monotonic() + DOWN_HOLD
@@ -584,6 +599,7 @@ class S3BlobStore:
         """(key below PREFIX/area, size, last-modified epoch seconds) of every object there."""
         from botocore.exceptions import BotoCoreError, ClientError
         base = self.prefix + area
+        self._check_up(f"listing {base}")
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
                                                                                Prefix=base):
@@ -615,6 +631,7 @@ class S3BlobStore:
     def server_time(self) -> float:
         """The object store's clock (epoch seconds), from the Date header of a cheap request."""
         from botocore.exceptions import BotoCoreError, ClientError
+        self._check_up("listing the bucket")
         try:
             r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix + MOUNTS, MaxKeys=1)
         except (BotoCoreError, ClientError, OSError) as e:
@@ -652,6 +669,7 @@ class S3BlobStore:
                 return False
             if self._conditional_put:
                 kw["IfNoneMatch"] = "*"
+        self._check_up(f"PUT {full}")
         try:
             self.client.put_object(**kw)
         except ClientError as e:
