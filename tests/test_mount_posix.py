@@ -239,6 +239,13 @@ def test_xattrs(mnt):
     with pytest.raises(OSError) as ei:
         os.setxattr(p, "security.foo", b"x")
     assert ei.value.errno == errno.EOPNOTSUPP
+    # Namespaces pffs does not keep say so (then `ls -l` stops asking for labels
+    # and ACLs), on page files and on the hidden tree alike.
+    for path in (p, mnt / ".pffs" / "stats.json"):
+        for name in ("security.selinux", "system.posix_acl_access", "security.capability"):
+            with pytest.raises(OSError) as ei:
+                os.getxattr(path, name)
+            assert ei.value.errno == errno.EOPNOTSUPP, (path, name)
 
 
 def test_statfs_and_fsync(mnt):

@@ -825,10 +825,13 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def getxattr(self, inode, name, ctx):
-        if self.virtual.owns(inode):
-            raise FUSEError(pyfuse3.ENOATTR)
         if not (name.startswith(b"user.") or name.startswith(b"trusted.")):
-            # security.capability is asked before every write: answer at once.
+            # Namespaces pffs does not keep (security.*, system.posix_acl_*),
+            # answered at once: security.capability is asked before every
+            # write, and on EOPNOTSUPP `ls -l` stops asking for SELinux labels
+            # and ACLs on this filesystem after its first file.
+            raise FUSEError(errno.EOPNOTSUPP)
+        if self.virtual.owns(inode):
             raise FUSEError(pyfuse3.ENOATTR)
         if name == DIGEST_XATTR:
             node = ns.get_inode(self.db.ro, inode)
