@@ -183,3 +183,32 @@ def test_truncate_by_path_while_open_for_reading_is_committed(mount_factory):
         pass
     m.start()
     assert (m / "t").read_bytes() == b"x" * 10
+
+
+def test_page_files_read_back_after_every_kind_of_change(mnt, bf16_pages):
+    """A sequential reader's view of a pages/ folder (read ahead in bulk) never
+    outlives a change: rewritten, replaced, removed and recreated pages read
+    back as they are now."""
+    pages = varied_pages(bf16_pages, 12)
+    write_session(mnt / "s", pages)
+    pdir = mnt / "s" / "pages"
+
+    def read_all():
+        return {n: (pdir / n).read_bytes() for n in sorted(os.listdir(pdir))}
+    assert list(read_all().values()) == pages
+    new = varied_pages(bf16_pages, 3, salt=7)
+    (pdir / mf.page_name(3)).write_bytes(new[0])                 # rewritten in place
+    os.replace(pdir / mf.page_name(6), pdir / mf.page_name(5))   # replaced by a rename
+    os.unlink(pdir / mf.page_name(8))                            # removed, then recreated
+    (pdir / mf.page_name(8)).write_bytes(new[1])
+    (pdir / mf.page_name(12)).write_bytes(new[2])                # appended
+    want = {mf.page_name(i): p for i, p in enumerate(pages)}
+    want[mf.page_name(3)], want[mf.page_name(5)] = new[0], pages[6]
+    del want[mf.page_name(6)]
+    want[mf.page_name(8)], want[mf.page_name(12)] = new[1], new[2]
+    # Through fresh opens (the kernel's cache of a changed file is dropped on change).
+    assert read_all() == want
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    assert read_all() == want

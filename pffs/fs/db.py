@@ -77,6 +77,9 @@ class Database:
         self.writer = WorkerPool(1, "pffs-db-writer")
         # Called when a commit finds the disk full; True if it made room.
         self.on_full: Callable[[], bool] | None = None
+        # Bumped after every committed change: what was read from ``ro`` at
+        # an earlier generation may be stale (see operations.DirIndex).
+        self.generation = 0
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(rw_conn, *args)`` in one transaction in the writer thread."""
@@ -85,8 +88,7 @@ class Database:
     def _run(self, fn, args):
         with self.rw_lock:
             try:
-                with namespace.transaction(self.rw):
-                    return fn(self.rw, *args)
+                return self._transaction(fn, args)
             except sqlite3.OperationalError as e:
                 # Disk full: give up the store's reserve (pffs.reserve) and
                 # try once more, so that deletions commit on a full disk.
@@ -95,12 +97,18 @@ class Database:
                 if self.on_full is None or not self.on_full():
                     raise StoreFull(f"namespace commit: {e}") from None
             try:
-                with namespace.transaction(self.rw):
-                    return fn(self.rw, *args)
+                return self._transaction(fn, args)
             except sqlite3.OperationalError as e:
                 if namespace.is_disk_full(e):
                     raise StoreFull(f"namespace commit: {e}") from None
                 raise
+
+    def _transaction(self, fn, args):
+        try:
+            with namespace.transaction(self.rw):
+                return fn(self.rw, *args)
+        finally:
+            self.generation += 1  # (also after a rollback: harmless)
 
     def run_in_transaction(self, fn: Callable[..., Any], *args: Any) -> Any:
         """From a worker thread: ``fn(rw_conn, *args)`` in one transaction."""

@@ -44,6 +44,7 @@ DIGEST_XATTR = b"user.pffs.digest"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
 PREFETCH_PAGES = 8
+PREFETCH_WINDOW = 64   # page files whose content one query reads (see PageWindow)
 MANIFEST = mf.MANIFEST_NAME.encode()
 # PFFS_TIMING=1: count and time every handler; the daemon logs the totals at unmount.
 TIMING: dict[str, tuple[int, float]] | None = {} if os.environ.get("PFFS_TIMING") else None
@@ -99,6 +100,19 @@ class InodeState:
 
 
 @dataclass
+class PageWindow:
+    """The committed content of a run of page files of one directory, read in
+    one query at one namespace generation (``Database.generation``): the opens
+    of a sequential reader (cp, tar, page-in) then need no query of their own
+    to prefetch, nor their first read to find the blocks."""
+    gen: int
+    first: int                                   # page indexes [first, end) asked for
+    end: int
+    pages: dict[int, tuple[list[str], list[int]]]  # page index -> (blobs, raw sizes)
+    files: dict[int, tuple[int, list[str]]]      # inode -> (size, blobs)
+
+
+@dataclass
 class OpenFile:
     ino: int
     writable: bool
@@ -124,6 +138,7 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         self._loading: dict[str, trio.Event] = {}
         self._prefetched: dict[int, int] = {}  # directory inode -> last page index prefetched
+        self._windows: dict[int, PageWindow] = {}  # directory inode -> pages around the reader
         # Where the kernel found each inode it holds (from lookups and readdir):
         # spares a query per open when deciding what to prefetch.
         self._where: dict[int, tuple[int, bytes]] = {}
@@ -518,14 +533,13 @@ class Operations(pyfuse3.Operations):
             mark = ix
         if len(self._prefetched) > 1024:
             self._prefetched.clear()
+        w = self._window(parent, ix, ix + PREFETCH_PAGES + 1)
         for k in range(mark - ix + 1, PREFETCH_PAGES + 1):
             self._prefetched[parent] = ix + k
-            found = False
-            for d, size in self.db.ro.execute(
-                    "SELECT b.blob, bl.raw_size FROM dentries e JOIN blocks b ON b.inode = e.inode"
-                    " JOIN blobs bl ON bl.digest = b.blob WHERE e.parent=? AND e.name=?"
-                    " ORDER BY b.blockno", (parent, mf.page_name(ix + k).encode())):
-                found = True
+            page = w.pages.get(ix + k)
+            if page is None:
+                return
+            for d, size in zip(*page):
                 if d in self._loading or self.cache.get(d, count=False) is not None:
                     continue
                 if size > budget:
@@ -533,8 +547,46 @@ class Operations(pyfuse3.Operations):
                 budget -= size
                 self._loading[d] = trio.Event()
                 self.nursery.start_soon(self._prefetch_one, d)
-            if not found:
-                return
+
+    def _window(self, parent: int, first: int, end: int) -> PageWindow:
+        """Pages [first, end) of directory *parent* (and more after them), committed content."""
+        gen = self.db.generation  # before the query: a commit meanwhile makes it stale
+        w = self._windows.get(parent)
+        if w is not None and w.gen == gen and w.first <= first and end <= w.end:
+            return w
+        end = max(end, first + PREFETCH_WINDOW)
+        names = [mf.page_name(i).encode() for i in range(first, end)]
+        w = PageWindow(gen, first, end, {}, {})
+        for name, ino, size, blob, raw in self.db.ro.execute(
+                "SELECT e.name, i.id, i.size, b.blob, bl.raw_size FROM dentries e"
+                " JOIN inodes i ON i.id = e.inode LEFT JOIN blocks b ON b.inode = i.id"
+                " LEFT JOIN blobs bl ON bl.digest = b.blob"
+                f" WHERE e.parent=? AND e.name IN ({','.join('?' * len(names))})"
+                " AND (i.mode & 61440) = 32768 ORDER BY e.name, b.blockno", (parent, *names)):
+            f = w.files.get(ino)
+            if f is None:
+                f = w.files[ino] = (size, [])
+            page = w.pages.setdefault(mf.parse_page_name(name), ([], []))
+            if blob is not None:
+                f[1].append(blob)
+                page[0].append(blob)
+                page[1].append(raw)
+        if len(self._windows) > 1024:
+            self._windows.clear()
+        self._windows[parent] = w
+        return w
+
+    def _committed(self, ino: int) -> tuple[int, list[str]]:
+        """(size, blobs by block number) of what is committed for *ino*."""
+        where = self._where.get(ino)
+        if where is not None:
+            w = self._windows.get(where[0])
+            if w is not None and w.gen == self.db.generation:
+                f = w.files.get(ino)
+                if f is not None:
+                    return f
+        size = self.db.ro.execute("SELECT size FROM inodes WHERE id=?", (ino,)).fetchone()[0]
+        return size, ns.blocks_of(self.db.ro, ino)
 
     async def _prefetch_one(self, digest: str) -> None:
         ev = self._loading[digest]
@@ -585,8 +637,7 @@ class Operations(pyfuse3.Operations):
                     return await trio.to_thread.run_sync(st.staging.read, off, size)
         if st is None or st.blocks is None:
             # Committed size and blocks, kept until the next commit of this inode.
-            size_now = self.db.ro.execute("SELECT size FROM inodes WHERE id=?", (of.ino,)).fetchone()[0]
-            blocks = ns.blocks_of(self.db.ro, of.ino)
+            size_now, blocks = self._committed(of.ino)
             if st is not None:
                 st.blocks, st.size = blocks, size_now
         else:
