@@ -6,9 +6,11 @@
    local directory and (b) the same work done by plain tools: `sha256sum` of
    the files plus `zstd -1` of each into a local directory, + `sync`.
 2. Read it back cold (remount, drop the kernel's caches) beside a cold read
-   of the plain directory.
+   of the plain directory and (c) the same files served by a pyfuse3
+   filesystem that does no work at all (benchmarks/fuse_floor.py): the round
+   trips every pyfuse3 filesystem pays per file.
 3. Forks: `cp -r`, `pffs fork`, and the metadata-only recipe.
-4. `ls -l` of a 10,000-page session.
+4. `ls -l` of a 10,000-page session (and of 10,000 files of (c)).
 Prints seconds, MB/s, stored bytes, the daemon's peak RSS and each ratio.
 Needs root (FUSE, drop_caches).
 """
@@ -69,6 +71,28 @@ def peak_rss(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+class Floor:
+    """benchmarks/fuse_floor.py mounted: pyfuse3 answering every request at once."""
+
+    def __init__(self, where: Path, n: int, size: int):
+        self.path = where
+        where.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fuse_floor.py"),
+                                      str(where), str(n), str(size)])
+        end = time.monotonic() + 30
+        while not os.path.ismount(where):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("benchmarks/fuse_floor.py did not mount")
+            time.sleep(0.05)
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+        self.proc.wait(30)
 
 
 def main() -> int:
@@ -136,7 +160,12 @@ def main() -> int:
             print(f"\n{'cold read' + ('' if cold else ' (caches NOT dropped)'):34} {'seconds':>8} {'MB/s':>8}")
             print(f"{'pffs':34} {t_read:8.2f} {mb / t_read:8.0f}")
             print(f"{'local directory':34} {t_read_plain:8.2f} {mb / t_read_plain:8.0f}")
-            print(f"pffs cold read / local: {t_read_plain / t_read:.2f}x")
+            with Floor(work / "floor", n, len(base[0])) as fl:
+                drop_caches()
+                t_floor = timed(lambda: read_tree(fl))
+            print(f"{'(c) pyfuse3 doing nothing, same files':34} {t_floor:8.2f} {mb / t_floor:8.0f}")
+            print(f"pffs cold read / local: {t_read_plain / t_read:.2f}x   (c) / local: "
+                  f"{t_read_plain / t_floor:.2f}x   pffs / (c): {t_floor / t_read:.2f}x")
 
             # Forks
             before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
@@ -169,7 +198,11 @@ def main() -> int:
                                                 stdout=subprocess.DEVNULL))
             t_ls2 = timed(lambda: subprocess.run(["ls", "-l", str(m / "big" / "pages")], check=True,
                                                  stdout=subprocess.DEVNULL))
-            print(f"\nls -l of {args.ls_pages} pages: {t_ls:.3f} s cold, {t_ls2:.3f} s warm")
+            with Floor(work / "floor-ls", args.ls_pages, len(base[0])) as fl:
+                t_ls_floor = timed(lambda: subprocess.run(["ls", "-l", str(fl)], check=True,
+                                                          stdout=subprocess.DEVNULL))
+            print(f"\nls -l of {args.ls_pages} pages: {t_ls:.3f} s cold, {t_ls2:.3f} s warm; "
+                  f"(c) pyfuse3 doing nothing: {t_ls_floor:.3f} s")
             m.stop()
             print(f"daemon peak RSS (largest over the mounts of this run): {rss_max / 2**20:.0f} MiB")
         finally:

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""What pyfuse3 itself costs: a filesystem that does no work at all.
+
+Serves one directory of N regular files of SIZE bytes each, all with the
+same bytes held in memory (open, read, flush, release and getxattr answered
+at once, attributes cached by the kernel), so reading it through the kernel
+measures only the round trips that every pyfuse3 filesystem pays per file.
+``benchmarks/fs.py`` runs it beside pffs.
+
+    python benchmarks/fuse_floor.py MOUNTPOINT N SIZE     (serves until unmounted)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import sys
+
+import pyfuse3
+import trio
+
+
+class Floor(pyfuse3.Operations):
+    def __init__(self, n: int, size: int):
+        super().__init__()
+        self.n = n
+        self.data = os.urandom(size)
+
+    def _attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.st_mode = (stat.S_IFDIR | 0o755) if ino == pyfuse3.ROOT_INODE else (stat.S_IFREG | 0o644)
+        a.st_size = 0 if ino == pyfuse3.ROOT_INODE else len(self.data)
+        a.st_nlink = 1
+        a.st_blksize = 1 << 20
+        a.entry_timeout = a.attr_timeout = 300
+        return a
+
+    async def getattr(self, inode, ctx=None):
+        return self._attrs(inode)
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        try:
+            ix = int(name)
+        except ValueError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        if parent_inode != pyfuse3.ROOT_INODE or not 0 <= ix < self.n:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(ix + 2)
+
+    async def opendir(self, inode, ctx):
+        return inode
+
+    async def readdir(self, fh, start_id, token):
+        for ix in range(start_id, self.n):
+            if not pyfuse3.readdir_reply(token, b"%06d" % ix, self._attrs(ix + 2), ix + 1):
+                return
+
+    async def releasedir(self, fh):
+        pass
+
+    async def open(self, inode, flags, ctx):
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        return self.data[off:off + size]
+
+    async def flush(self, fh):
+        pass
+
+    async def release(self, fh):
+        pass
+
+    async def getxattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+
+
+def main() -> int:
+    mountpoint, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    pyfuse3.init(Floor(n, size), mountpoint, set(pyfuse3.default_options) | {"fsname=pffs-floor"})
+    try:
+        trio.run(pyfuse3.main)
+    finally:
+        pyfuse3.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
