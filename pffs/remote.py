@@ -585,32 +585,3 @@ def _cmd_rm_remote(args) -> int:
     rm_remote(blobs, args.name)
     print(f"{args.name}: no longer published in {blobs.url} (gc may now free its pages)")
     return 0
-
-
-def add_commands(sub) -> None:
-    """The S3 subcommands of ``pffs``."""
-    where = "store: s3://BUCKET/PREFIX or its cache folder (default: the mount holding the path)"
-    s = sub.add_parser("push", help="publish a session's manifest to the S3 bucket (no page bytes move)")
-    s.add_argument("session", help="a session folder in a mount of an S3 store")
-    s.add_argument("name", nargs="?", help="published name (default: the folder's name)")
-    s.add_argument("--store", help=where)
-    s.add_argument("--force", action="store_true", help="replace a session published under NAME")
-    s.set_defaults(func=_cmd_push)
-
-    s = sub.add_parser("pull", help="make a session published in the bucket appear in a mount")
-    s.add_argument("name")
-    s.add_argument("dest", help="new folder in a mount of the same S3 store")
-    s.add_argument("--store", help="the store published to (checked against DEST's mount)")
-    s.set_defaults(func=_cmd_pull)
-
-    s = sub.add_parser("ls-remote", help="list the sessions published in the bucket")
-    s.add_argument("path", nargs="?", help="a path in a mounted pffs (default: the current folder)")
-    s.add_argument("--store", help=where)
-    s.add_argument("--json", action="store_true", help="print JSON")
-    s.set_defaults(func=_cmd_ls_remote)
-
-    s = sub.add_parser("rm-remote", help="withdraw a published session (its pages stay while referenced)")
-    s.add_argument("name")
-    s.add_argument("path", nargs="?", help="a path in a mounted pffs (default: the current folder)")
-    s.add_argument("--store", help=where)
-    s.set_defaults(func=_cmd_rm_remote)
