@@ -159,6 +159,16 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _ints_within(vals: list, lo: int, end: int | None) -> bool:
+    """Whether every value is an int (not a bool) in [lo, end): the common case, checked
+    in C; when False, the caller's loop finds the first offender for its message."""
+    if not vals:
+        return True
+    if set(map(type, vals)) != {int}:
+        return False
+    return min(vals) >= lo and (end is None or max(vals) < end)
+
+
 def _check(d: Any) -> tuple[list[Digest], list[LogicalSeq]]:
     if not isinstance(d, dict):
         raise ManifestError("manifest", "must be a JSON object")
@@ -239,7 +249,7 @@ def _check(d: Any) -> tuple[list[Digest], list[LogicalSeq]]:
             raise ManifestError(f"{where}.page_ixs", "must be a list of page indices")
         if len(ixs) * P > MAX_TOKENS_PER_SEQ:
             raise ManifestError(f"{where}.page_ixs", f"more than {MAX_TOKENS_PER_SEQ} tokens")
-        for j, ix in enumerate(ixs):
+        for j, ix in enumerate(ixs if not _ints_within(ixs, 0, len(pages)) else ()):
             if not _is_int(ix):
                 raise ManifestError(f"{where}.page_ixs[{j}]", "must be an integer")
             if not 0 <= ix < len(pages):
@@ -257,7 +267,7 @@ def _check(d: Any) -> tuple[list[Digest], list[LogicalSeq]]:
                 raise ManifestError(f"{where}.token_ids", "must be a list of integers")
             if len(toks) > MAX_TOKENS_PER_SEQ:
                 raise ManifestError(f"{where}.token_ids", f"more than {MAX_TOKENS_PER_SEQ} tokens")
-            for j, t in enumerate(toks):
+            for j, t in enumerate(toks if not _ints_within(toks, 0, None) else ()):
                 if not _is_int(t) or t < 0:
                     raise ManifestError(f"{where}.token_ids[{j}]", "must be a non-negative integer")
             want = seq.n_tokens(P)
