@@ -3,8 +3,9 @@
 
 1. Write a session of real bf16 KV pages (varied so every page differs) with
    `cp -r` + `sync` into the mount, beside (a) the same copy into a plain
-   local directory and (b) the same work done by plain tools: `sha256sum` of
-   the files plus `zstd -1` of each into a local directory, + `sync`.
+   local directory, (b) the same work done by plain tools: `sha256sum` of
+   the files plus `zstd -1` of each into a local directory, + `sync`, and
+   (c) `cp -r` into a pyfuse3 filesystem that drops what it is given.
 2. Read it back cold (remount, drop the kernel's caches) beside a cold read
    of the plain directory and (c) the same files served by a pyfuse3
    filesystem that does no work at all (benchmarks/fuse_floor.py): the round
@@ -147,6 +148,9 @@ def main() -> int:
             print(f"{'pffs cp -r + sync':34} {t_pffs:8.2f} {mb / t_pffs:8.0f} {st['stored_bytes'] / 2**20:11.1f}")
             print(f"{'(a) cp -r to local dir + sync':34} {t_plain:8.2f} {mb / t_plain:8.0f} {size / 2**20:11.1f}")
             print(f"{'(b) sha256sum + zstd -1 + sync':34} {t_tools:8.2f} {mb / t_tools:8.0f} {zbytes / 2**20:11.1f}")
+            with Floor(work / "floor-w", 0, len(base[0])) as fl:
+                t_wfloor = timed(lambda: sh("cp", "-r", str(src), str(fl / "s")))
+            print(f"{'(c) cp -r to pyfuse3 doing nothing':34} {t_wfloor:8.2f} {mb / t_wfloor:8.0f} {0:11.1f}")
             print(f"pffs write / (b): {t_tools / t_pffs:.2f}x   pffs write / (a): {t_plain / t_pffs:.2f}x   "
                   f"compression {st['compression_ratio']:.3f} (zstd -1: {size / zbytes:.3f})")
 

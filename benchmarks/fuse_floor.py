@@ -5,6 +5,8 @@ Serves one directory of N regular files of SIZE bytes each, all with the
 same bytes held in memory (open, read, flush, release and getxattr answered
 at once, attributes cached by the kernel), so reading it through the kernel
 measures only the round trips that every pyfuse3 filesystem pays per file.
+It also takes new folders and files and drops what is written to them, so
+`cp -r` into it measures the same for writes.
 ``benchmarks/fs.py`` runs it beside pffs.
 
     python benchmarks/fuse_floor.py MOUNTPOINT N SIZE     (serves until unmounted)
@@ -26,6 +28,10 @@ class Floor(pyfuse3.Operations):
         super().__init__()
         self.n = n
         self.data = os.urandom(size)
+        self.made: dict[tuple[int, bytes], int] = {}   # what was created: (parent, name) -> inode
+        self.modes: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.next_ino = 1 << 32
 
     def _attrs(self, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -38,9 +44,13 @@ class Floor(pyfuse3.Operations):
         return a
 
     async def getattr(self, inode, ctx=None):
+        if inode in self.modes:
+            return self._made_attrs(inode)
         return self._attrs(inode)
 
     async def lookup(self, parent_inode, name, ctx=None):
+        if (parent_inode, name) in self.made:
+            return self._made_attrs(self.made[(parent_inode, name)])
         try:
             ix = int(name)
         except ValueError:
@@ -74,6 +84,31 @@ class Floor(pyfuse3.Operations):
 
     async def getxattr(self, inode, name, ctx):
         raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+
+    # Writes are taken and dropped: `cp -r` into the mount pays only the round trips.
+
+    def _new(self, parent: int, name: bytes, mode: int) -> pyfuse3.EntryAttributes:
+        ino = self.next_ino = self.next_ino + 1
+        self.made[(parent, name)] = ino
+        self.modes[ino] = mode
+        return self._made_attrs(ino)
+
+    def _made_attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        a = self._attrs(ino)
+        a.st_mode = self.modes[ino]
+        a.st_size = self.sizes.get(ino, 0)
+        return a
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._new(parent_inode, name, stat.S_IFDIR | 0o755)
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        a = self._new(parent_inode, name, stat.S_IFREG | 0o644)
+        return pyfuse3.FileInfo(fh=a.st_ino), a
+
+    async def write(self, fh, off, buf):
+        self.sizes[fh] = max(self.sizes.get(fh, 0), off + len(buf))
+        return len(buf)
 
 
 def main() -> int:
