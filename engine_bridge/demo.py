@@ -93,6 +93,19 @@ def _same(x, y) -> bool:
     return (x is None and y is None) or (x is not None and y is not None and x.hex() == y.hex())
 
 
+def _differing(got, want) -> str:
+    """Which steps differ, and by how much at most (for a report of a mismatch)."""
+    steps, worst = [], 0.0
+    for k, (x, y) in enumerate(zip(got, want)):
+        if not _same(x, y):
+            steps.append(k)
+            if isinstance(x, torch.Tensor):
+                worst = max(worst, (x.double() - y.double()).abs().max().item())
+            elif x is not None and y is not None:
+                worst = max(worst, abs(x - y))
+    return f"{steps} (largest difference {worst:.3g})"
+
+
 def run(mnt: Path, *, dtype: str = "f32", n_decode: int = 40, prompt_repeats: int = 8,
         out=print, engine: str = "reference") -> bool:
     """Run the demo in MNT/demo with *engine*; True when every continuation matched bit for bit."""
@@ -150,6 +163,8 @@ def run(mnt: Path, *, dtype: str = "f32", n_decode: int = 40, prompt_repeats: in
             f"{'bit-identical' if same_replay else 'DIFFERENT'}; decoded {n_decode} more: "
             f"tokens {'identical' if same_tokens else 'DIFFERENT'}, "
             f"{what} {'bit-identical' if same_scores else 'DIFFERENT'} to A uninterrupted")
+        if not same_scores:
+            out(f"  {what} differ at steps {_differing(scores['chat-1'], ref_scores['chat-1'])}")
 
     after = _stats(mnt)
     logical = after["logical_bytes"] - before["logical_bytes"]
