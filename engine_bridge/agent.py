@@ -517,6 +517,27 @@ def command_loop(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         print(json.dumps(reply), flush=True)
 
 
+def common_command(engine, adapter, agent: "Agent", cmd: dict[str, Any]) -> dict[str, Any] | None:
+    """The control commands every engine answers alike; None for the others."""
+    c = cmd.get("cmd")
+    if c == "add":
+        with adapter.lock:
+            engine.add_request(cmd["id"], cmd["prompt"])
+        return {}
+    if c == "page_out":
+        with adapter.lock:
+            m = engine.page_out(cmd["dest"], cmd.get("ids"))
+        return {"pages": len(m.pages)}
+    if c == "remove":
+        with adapter.lock:
+            engine.remove(cmd["id"])
+        return {}
+    if c == "detach":
+        agent.detach()
+        return {}
+    return None
+
+
 class _Controller:
     """JSON commands on stdin, one answer per line on stdout (for scripts and tests)."""
 
@@ -539,10 +560,9 @@ class _Controller:
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         e, c = self.engine, cmd.get("cmd")
-        if c == "add":
-            with self.adapter.lock:
-                e.add_request(cmd["id"], cmd["prompt"])
-            return {}
+        done = common_command(e, self.adapter, self.agent, cmd)
+        if done is not None:
+            return done
         if c == "step":
             toks, logs = {}, {}
             for _ in range(int(cmd.get("n", 1))):
@@ -563,10 +583,6 @@ class _Controller:
             self._run.join()
             self._run = None
             return dict(self._history)
-        if c == "page_out":
-            with self.adapter.lock:
-                m = e.page_out(cmd["dest"], cmd.get("ids"))
-            return {"pages": len(m.pages)}
         if c == "page_in":
             # Straight from a session folder (a live one too), not through engines/.
             with self.adapter.lock:
@@ -579,13 +595,6 @@ class _Controller:
                 return {"seqs": seqs, "free": e.allocator.num_free(),
                         "free_list": [int(b) for b in e.allocator.free_list()],
                         "groups": dict(self.agent.groups), "attached": not self.agent.detached.is_set()}
-        if c == "remove":
-            with self.adapter.lock:
-                e.remove(cmd["id"])
-            return {}
-        if c == "detach":
-            self.agent.detach()
-            return {}
         raise ValueError(f"unknown command {c!r}")
 
     def loop(self) -> None:

@@ -27,7 +27,7 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Sequence
 
-from .agent import Agent, StepLock, _size, command_loop
+from .agent import Agent, StepLock, _size, command_loop, common_command
 from .bridge import SeqBlocks
 from .pool import BlockId
 from .sessions import SessionSource
@@ -87,10 +87,9 @@ class _Controller:
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         e, c = self.engine, cmd.get("cmd")
-        if c == "add":
-            with self.adapter.lock:
-                e.add_request(cmd["id"], cmd["prompt"])
-            return {}
+        done = common_command(e, self.adapter, self.agent, cmd)
+        if done is not None:
+            return done
         if c == "step":
             toks: dict[str, list[int]] = {}
             lps: dict[str, list[str | None]] = {}
@@ -99,10 +98,6 @@ class _Controller:
                     toks.setdefault(rid, []).append(o.token)
                     lps.setdefault(rid, []).append(None if o.logprob is None else float(o.logprob).hex())
             return {"tokens": toks, "logprobs": lps}
-        if c == "page_out":
-            with self.adapter.lock:
-                m = e.page_out(cmd["dest"], cmd.get("ids"))
-            return {"pages": len(m.pages)}
         if c == "state":
             with self.adapter.lock:
                 group = e.adapter.pool_group()
@@ -111,13 +106,6 @@ class _Controller:
                 return {"seqs": seqs, "free": e.allocator.num_free(),
                         "shared": {str(b): n for b, n in group.ledger.shared_ref_counts.items()},
                         "groups": dict(self.agent.groups), "attached": not self.agent.detached.is_set()}
-        if c == "remove":
-            with self.adapter.lock:
-                e.remove(cmd["id"])
-            return {}
-        if c == "detach":
-            self.agent.detach()
-            return {}
         raise ValueError(f"unknown command {c!r}")
 
     def loop(self) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import trio
 
-from .protocol import (_CMSG_SPACE, HEADER, MAX_MESSAGE, ProtocolError, close_fds, decode,
-                       encode, fds_from_ancillary, rights)
+from .protocol import (_CMSG_SPACE, HEADER, MAX_MESSAGE, ProtocolError, close_fds, close_socket,
+                       decode, encode, fds_from_ancillary, rights)
 
 
 class TrioChannel:
@@ -65,8 +65,4 @@ class TrioChannel:
             raise
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        close_socket(self.sock)

@@ -100,6 +100,15 @@ def rights(fds) -> list:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", list(fds)))] if fds else []
 
 
+def close_socket(sock: socket.socket) -> None:
+    """Shut down both directions (waking a reader blocked on it), then close."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def close_fds(fds) -> None:
     for fd in fds:
         try:
@@ -200,11 +209,7 @@ class Channel:
             raise
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        close_socket(self.sock)
 
 
 def connect(path: str | os.PathLike, timeout: float | None = 10.0) -> socket.socket:
