@@ -502,6 +502,17 @@ def _logits_digest(logits: torch.Tensor) -> str:
     return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
+def attach_or_report(agent: "Agent", name: str) -> bool:
+    """Attach; if refused, say so (a JSON answer on stdout, one line on stderr) and return False."""
+    try:
+        agent.attach()
+    except (protocol.Refused, OSError) as e:
+        print(json.dumps({"ok": False, "errno": e.errno, "error": str(e)}), flush=True)
+        print(f"attach {name}: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def command_loop(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Answer JSON commands read from stdin, one reply line each, until ``exit``."""
     for line in sys.stdin:
@@ -637,15 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(adapter, args.mount, args.name, staging_bytes=_size(args.staging),
                   on_detach=lambda a: gone.set())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # detach on the way out
-    try:
-        agent.attach()
-    except protocol.Refused as e:
-        print(json.dumps({"ok": False, "errno": e.errno, "error": str(e)}), flush=True)
-        print(f"attach {args.name}: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(json.dumps({"ok": False, "errno": e.errno, "error": str(e)}), flush=True)
-        print(f"attach {args.name}: {e}", file=sys.stderr)
+    if not attach_or_report(agent, args.name):
         return 2
     try:
         if args.control:

@@ -27,7 +27,7 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Sequence
 
-from .agent import Agent, StepLock, _size, command_loop, common_command
+from .agent import Agent, StepLock, _size, attach_or_report, command_loop, common_command
 from .bridge import SeqBlocks
 from .pool import BlockId
 from .sessions import SessionSource
@@ -113,8 +113,6 @@ class _Controller:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pffs.live import protocol
-
     ap = argparse.ArgumentParser(prog="python -m engine_bridge.transformers_live",
                                  description="Run a transformers continuous-batching engine attached "
                                              "to a pffs mount.")
@@ -138,11 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     gone = threading.Event()
     agent = Agent(adapter, args.mount, args.name, staging_bytes=_size(args.staging),
                   on_detach=lambda a: gone.set())
-    try:
-        agent.attach()
-    except (protocol.Refused, OSError) as e:
-        print(json.dumps({"ok": False, "errno": e.errno, "error": str(e)}), flush=True)
-        print(f"attach {args.name}: {e}", file=sys.stderr)
+    if not attach_or_report(agent, args.name):
         return 2
     try:
         if args.control:
