@@ -133,7 +133,18 @@ def setup_logging(log_path: Path, foreground: bool) -> None:
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)
         root.addHandler(sh)
-    logging.getLogger("pyfuse3").setLevel(logging.INFO)
+    pyfuse_log = logging.getLogger("pyfuse3")
+    pyfuse_log.setLevel(logging.INFO)
+    pyfuse_log.addFilter(_abandoned_reply)
+
+
+def _abandoned_reply(record: logging.LogRecord) -> bool:
+    """A reply the kernel no longer waits for (ENOENT: the request was interrupted,
+    or a release sent as its opener went away) is not an error of the filesystem."""
+    if record.levelno >= logging.ERROR and "fuse_reply_* failed with No such file or directory" \
+            in record.getMessage():
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
 
 
 class Daemon:
