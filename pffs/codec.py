@@ -150,7 +150,7 @@ def join_planes(lo, hi, tail) -> bytes:
     w = np.frombuffer(hi, dtype=np.uint8).astype("<u2")
     w <<= 8
     w |= np.frombuffer(lo, dtype=np.uint8)
-    return w.tobytes() + bytes(tail)
+    return w.tobytes() + bytes(tail) if len(tail) else w.tobytes()
 
 
 _PLANE_LEN = struct.Struct("<I")

@@ -29,7 +29,7 @@ from .. import manifest as mf
 from .. import namespace as ns
 from ..errors import IntegrityError, StoreFull, StoreUnavailable
 from ..namespace import BLOCK_SIZE, FsError
-from .blobcache import BlobCache
+from .blobcache import BlobCache, Prefetcher
 from .content import ContentStore
 from .db import Database
 from .staging import MemoryBudget, Staging
@@ -113,6 +113,24 @@ class PageWindow:
 
 
 @dataclass
+class Listing:
+    """The order in which readdir listed a directory's entries: the order in
+    which cp -r, tar and find-style readers open its files."""
+    inos: list[int] = field(default_factory=list)
+    pos: dict[int, int] = field(default_factory=dict)      # inode -> index in inos
+
+
+@dataclass
+class FileWindow:
+    """The committed content of the files that follow one in a directory's
+    listing, read in one query at one namespace generation."""
+    gen: int
+    first: int                                   # listing positions [first, end) asked for
+    end: int
+    files: dict[int, tuple[int, list[str], list[int]]]  # inode -> (size, blobs, raw sizes)
+
+
+@dataclass
 class OpenFile:
     ino: int
     writable: bool
@@ -139,10 +157,18 @@ class Operations(pyfuse3.Operations):
         self._loading: dict[str, trio.Event] = {}
         self._prefetched: dict[int, int] = {}  # directory inode -> last page index prefetched
         self._windows: dict[int, PageWindow] = {}  # directory inode -> pages around the reader
+        # Readers that follow a directory's listing rather than its page order
+        # (cp -r or tar of a session whose files were created out of order).
+        self._listings: dict[int, Listing] = {}      # directory inode -> its last listing
+        self._fwindows: dict[int, FileWindow] = {}   # directory inode -> files after the reader
+        self._lprefetched: dict[int, int] = {}       # directory inode -> last position prefetched
+        self._last_open: dict[int, int] = {}         # directory inode -> inode opened last
+        self.fetched_by_reads = 0  # blobs a read had to fetch itself: neither cached nor prefetched
         # Where the kernel found each inode it holds (from lookups and readdir):
         # spares a query per open when deciding what to prefetch.
         self._where: dict[int, tuple[int, bytes]] = {}
-        self.prefetch_limiter = trio.CapacityLimiter(max(1, (os.cpu_count() or 2)))
+        self.prefetcher = Prefetcher(self.content.blobs.get, self._prefetched_one,
+                                     max(1, (os.cpu_count() or 2)))
         self.virtual = virtual or VirtualTree(self)
         self.nursery: trio.Nursery | None = None
         self._notify_send, self._notify_recv = trio.open_memory_channel(10000)
@@ -512,10 +538,13 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     def _prefetch_after(self, ino: int) -> None:
-        """Opening page N of a session: decode the next pages in the background.
+        """Opening a file: decode the files a sequential reader opens next in the background.
 
-        Sequential reads of page files (cp, rsync, tar, cat, page-in) then find
-        them decoded in the cache, and decoding runs on the other cores.
+        Sequential readers (cp, rsync, tar, cat, page-in) then find them
+        decoded in the cache, and decoding runs on the other cores.  Page
+        files are read in page order (page-in, shell globs, rsync) or in the
+        order the directory was listed (cp -r, tar): whichever the previous
+        open in the same directory followed, the listing on a first open.
         """
         row = self._where.get(ino)
         if row is None:
@@ -523,36 +552,117 @@ class Operations(pyfuse3.Operations):
                                      (ino,)).fetchone()
             if row is None:
                 return
-        ix = mf.parse_page_name(row[1])
-        if ix is None:
-            return
-        budget = self.cache.limit // 4
         parent = row[0]
-        mark = self._prefetched.get(parent, -1)
-        if mark > ix + PREFETCH_PAGES or mark < ix:
-            mark = ix
-        if len(self._prefetched) > 1024:
-            self._prefetched.clear()
-        w = self._window(parent, ix, ix + PREFETCH_PAGES + 1)
-        for k in range(mark - ix + 1, PREFETCH_PAGES + 1):
-            self._prefetched[parent] = ix + k
-            page = w.pages.get(ix + k)
-            if page is None:
+        ix = mf.parse_page_name(row[1])
+        prev = self._last_open.get(parent)
+        if len(self._last_open) > 1024:
+            self._last_open.clear()
+        self._last_open[parent] = ino
+        listing = self._listings.get(parent)
+        at = listing.pos.get(ino) if listing is not None else None
+        if at is not None and at > 0 and listing.inos[at - 1] == prev:
+            self._prefetch_listed(parent, listing, at)
+            return
+        if ix is None:
+            if at is not None:
+                self._prefetch_listed(parent, listing, at)
+            return
+        if at is not None and (prev is None or prev == ino):
+            # A first open: the listing, unless it names the pages in order anyway.
+            if at + 1 < len(listing.inos) and self._where.get(listing.inos[at + 1], (0, b""))[1] \
+                    != mf.page_name(ix + 1).encode():
+                self._prefetch_listed(parent, listing, at)
                 return
-            for d, size in zip(*page):
-                if d in self._loading or self.cache.get(d, count=False) is not None:
-                    continue
-                if size > budget:
-                    return
-                budget -= size
-                self._loading[d] = trio.Event()
-                self.nursery.start_soon(self._prefetch_one, d)
+        w = self._window(parent, ix, ix + PREFETCH_PAGES + 1)
+        self._prefetch_run(self._prefetched, parent, ix, w.pages.get)
+
+    def _prefetch_listed(self, parent: int, listing: Listing, at: int) -> None:
+        """Decode the files listed after position *at* of *parent* in the background."""
+        w = self._file_window(parent, listing, at, at + PREFETCH_PAGES + 1)
+
+        def content(j):
+            if j >= len(listing.inos):
+                return None
+            f = w.files.get(listing.inos[j])
+            return ((), ()) if f is None else (f[1], f[2])  # (None: a directory, or gone)
+        self._prefetch_run(self._lprefetched, parent, at, content)
+
+    def _prefetch_run(self, marks: dict[int, int], parent: int, at: int, content) -> None:
+        """Prefetch the files at positions at+1 .. at+PREFETCH_PAGES of *parent*
+        (``content(j)``: their blobs and sizes, None past the end), from where
+        the previous call for this directory stopped (``marks``)."""
+        budget = self.cache.limit // 4
+        mark = marks.get(parent, -1)
+        if mark > at + PREFETCH_PAGES or mark < at:
+            mark = at
+        if len(marks) > 1024:
+            marks.clear()
+        for j in range(mark + 1, at + PREFETCH_PAGES + 1):
+            blobs = content(j)
+            if blobs is None:
+                return
+            marks[parent] = j
+            budget = self._prefetch_blobs(*blobs, budget)
+            if budget is None:
+                return
+
+    def _prefetch_blobs(self, digests, sizes, budget: int) -> int | None:
+        """Start fetching the blobs neither cached nor on their way; the budget
+        left, or None once it is spent."""
+        for d, size in zip(digests, sizes):
+            if d in self._loading or self.cache.get(d, count=False) is not None:
+                continue
+            size = size or 0   # (a blob row gone: the read will say why)
+            if size > budget:
+                return None
+            budget -= size
+            self._loading[d] = trio.Event()
+            self.prefetcher.submit(d)
+        return budget
+
+    def _file_window(self, parent: int, listing: Listing, first: int, end: int) -> FileWindow:
+        """Committed content of the files at listing positions [first, end) (and more)."""
+        gen = self.db.generation  # before the query: a commit meanwhile makes it stale
+        w = self._fresh(self._fwindows, parent, first, end)
+        if w is not None:
+            return w
+        end = min(max(end, first + PREFETCH_WINDOW), len(listing.inos))
+        inos = listing.inos[first:end]
+        w = FileWindow(gen, first, end, {})
+        if not inos:
+            return w
+        for ino, size, blob, raw in self.db.ro.execute(
+                "SELECT i.id, i.size, b.blob, bl.raw_size FROM inodes i"
+                " LEFT JOIN blocks b ON b.inode = i.id LEFT JOIN blobs bl ON bl.digest = b.blob"
+                f" WHERE i.id IN ({','.join('?' * len(inos))}) AND (i.mode & 61440) = 32768"
+                " ORDER BY i.id, b.blockno", inos):
+            f = w.files.get(ino)
+            if f is None:
+                f = w.files[ino] = (size, [], [])
+            if blob is not None:
+                f[1].append(blob)
+                f[2].append(raw)
+        return self._keep(self._fwindows, parent, w)
+
+    def _fresh(self, windows: dict, parent: int, first: int, end: int):
+        """The window of *parent* kept in *windows* if it covers [first, end) and is current."""
+        w = windows.get(parent)
+        if w is not None and w.gen == self.db.generation and w.first <= first and end <= w.end:
+            return w
+        return None
+
+    @staticmethod
+    def _keep(windows: dict, parent: int, w):
+        if len(windows) > 1024:
+            windows.clear()
+        windows[parent] = w
+        return w
 
     def _window(self, parent: int, first: int, end: int) -> PageWindow:
         """Pages [first, end) of directory *parent* (and more after them), committed content."""
         gen = self.db.generation  # before the query: a commit meanwhile makes it stale
-        w = self._windows.get(parent)
-        if w is not None and w.gen == gen and w.first <= first and end <= w.end:
+        w = self._fresh(self._windows, parent, first, end)
+        if w is not None:
             return w
         end = max(end, first + PREFETCH_WINDOW)
         names = [mf.page_name(i).encode() for i in range(first, end)]
@@ -571,10 +681,7 @@ class Operations(pyfuse3.Operations):
                 f[1].append(blob)
                 page[0].append(blob)
                 page[1].append(raw)
-        if len(self._windows) > 1024:
-            self._windows.clear()
-        self._windows[parent] = w
-        return w
+        return self._keep(self._windows, parent, w)
 
     def _committed(self, ino: int) -> tuple[int, list[str]]:
         """(size, blobs by block number) of what is committed for *ino*."""
@@ -585,19 +692,20 @@ class Operations(pyfuse3.Operations):
                 f = w.files.get(ino)
                 if f is not None:
                     return f
+            fw = self._fwindows.get(where[0])
+            if fw is not None and fw.gen == self.db.generation:
+                f = fw.files.get(ino)
+                if f is not None:
+                    return f[0], f[1]
         size = self.db.ro.execute("SELECT size FROM inodes WHERE id=?", (ino,)).fetchone()[0]
         return size, ns.blocks_of(self.db.ro, ino)
 
-    async def _prefetch_one(self, digest: str) -> None:
-        ev = self._loading[digest]
-        try:
-            data = await trio.to_thread.run_sync(self.content.blobs.get, digest,
-                                                 limiter=self.prefetch_limiter)
+    def _prefetched_one(self, digest: str, data: bytes | None) -> None:
+        """On the trio thread: a blob the prefetcher fetched (None: it failed)."""
+        if data is not None:
             self.cache.put(digest, data)
-        except Exception:
-            pass  # a real read of a damaged blob reports it
-        finally:
-            del self._loading[digest]
+        ev = self._loading.pop(digest, None)
+        if ev is not None:
             ev.set()
 
     async def _blob(self, digest: str, ino: int) -> bytes:
@@ -611,6 +719,7 @@ class Operations(pyfuse3.Operations):
             if data is not None:
                 return data
         ev = self._loading[digest] = trio.Event()
+        self.fetched_by_reads += 1
         try:
             data = await trio.to_thread.run_sync(self.content.blobs.get, digest,
                                                  limiter=self.content.limiter)
@@ -824,12 +933,19 @@ class Operations(pyfuse3.Operations):
             f"SELECT d.id, d.name, {', '.join('i.' + c.strip() for c in ns.INODE_COLS.split(','))}"
             " FROM dentries d JOIN inodes i ON i.id = d.inode WHERE d.parent=? AND d.id > ?"
             " ORDER BY d.id", (fh, start_id))
+        listing = self._listings.get(fh)
+        if start_id == 0 or listing is None:
+            if len(self._listings) >= 64:
+                self._listings.pop(next(iter(self._listings)))
+            listing = self._listings[fh] = Listing()
         for row in cur:
             node = ns.Inode(*row[2:])
             if not pyfuse3.readdir_reply(token, row[1], self._attrs(node), row[0]):
                 return
             self._lookup_inc(node.id)
             self._where[node.id] = (fh, row[1])
+            listing.pos[node.id] = len(listing.inos)
+            listing.inos.append(node.id)
         if fh == ns.ROOT_INODE:
             self.virtual.readdir_root(start_id, token)
 

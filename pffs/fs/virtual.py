@@ -73,7 +73,8 @@ class VirtualTree:
         if ino == STATS:
             figures = ns.stats(self.ops.db.ro).to_json()
             figures["cache"] = {"bytes": self.ops.cache.used, "hits": self.ops.cache.hits,
-                                "misses": self.ops.cache.misses}
+                                "misses": self.ops.cache.misses,
+                                "fetched_by_reads": self.ops.fetched_by_reads}
             return (json.dumps(figures, indent=2) + "\n").encode()
         if ino == VERSION:
             return (f"pffs {__version__}\nschema {ns.SCHEMA_VERSION}\npid {os.getpid()}\n"
