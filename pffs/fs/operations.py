@@ -45,6 +45,8 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
 PREFETCH_PAGES = 8
 PREFETCH_WINDOW = 64   # page files whose content one query reads (see PageWindow)
+LISTINGS_KEPT = 8           # directories whose listing order is remembered (see Listing)
+LISTING_MAX = 1 << 16       # entries remembered of one listing (about 100 bytes each)
 MANIFEST = mf.MANIFEST_NAME.encode()
 # PFFS_TIMING=1: count and time every handler; the daemon logs the totals at unmount.
 TIMING: dict[str, tuple[int, float]] | None = {} if os.environ.get("PFFS_TIMING") else None
@@ -935,7 +937,7 @@ class Operations(pyfuse3.Operations):
             " ORDER BY d.id", (fh, start_id))
         listing = self._listings.get(fh)
         if start_id == 0 or listing is None:
-            if len(self._listings) >= 64:
+            if len(self._listings) >= LISTINGS_KEPT:
                 self._listings.pop(next(iter(self._listings)))
             listing = self._listings[fh] = Listing()
         for row in cur:
@@ -944,8 +946,9 @@ class Operations(pyfuse3.Operations):
                 return
             self._lookup_inc(node.id)
             self._where[node.id] = (fh, row[1])
-            listing.pos[node.id] = len(listing.inos)
-            listing.inos.append(node.id)
+            if len(listing.inos) < LISTING_MAX:
+                listing.pos[node.id] = len(listing.inos)
+                listing.inos.append(node.id)
         if fh == ns.ROOT_INODE:
             self.virtual.readdir_root(start_id, token)
 
