@@ -193,6 +193,7 @@ class Daemon:
         content.stored_bytes = stored
         content.gc_lock = st.gc_lock
         content.recount = self.recount
+        content.accepted = self.accepted_manifest
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
         self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
@@ -275,6 +276,12 @@ class Daemon:
         """Stored bytes of every indexed blob (from a worker thread)."""
         with self.db.rw_lock:
             return self.db.rw.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
+
+    def accepted_manifest(self, digest: str) -> list[str] | None:
+        """From a commit thread: the pages of a manifest already accepted with
+        these bytes (a fork's source), or None."""
+        with self.db.rw_lock:
+            return namespace.recorded_pages(self.db.rw, digest)
 
     def snapshot(self) -> None:
         """Copy the namespace database into snapshots/ (a few kept)."""

@@ -606,12 +606,39 @@ def known_blobs(conn: sqlite3.Connection, digests: Iterable[str]) -> dict[str, i
     return out
 
 
-def record_manifest(conn: sqlite3.Connection, ino: int, pages: list[str]) -> None:
-    """Remember that *ino* holds a valid manifest listing *pages* (gc roots)."""
+def record_manifest(conn: sqlite3.Connection, ino: int, pages: list[str],
+                    digest: str | None = None) -> None:
+    """Remember that *ino* holds a valid manifest listing *pages* (gc roots).
+
+    With *digest* (of the manifest's bytes), the rows of another recorded
+    manifest with the same bytes (a fork's source) are copied in one statement.
+    """
     conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
     conn.execute("INSERT OR REPLACE INTO manifests (inode, n_pages) VALUES (?,?)", (ino, len(pages)))
+    twin = recorded_manifest(conn, digest, but=ino) if digest else None
+    if twin is not None and twin[1] == len(pages):
+        conn.execute("INSERT INTO manifest_pages (inode, page_ix, digest)"
+                     " SELECT ?, page_ix, digest FROM manifest_pages WHERE inode=?", (ino, twin[0]))
+        return
     conn.executemany("INSERT INTO manifest_pages (inode, page_ix, digest) VALUES (?,?,?)",
                      [(ino, i, d) for i, d in enumerate(pages)])
+
+
+def recorded_manifest(conn: sqlite3.Connection, digest: str, but: int = 0) -> tuple[int, int] | None:
+    """(inode, page count) of a recorded manifest (other than *but*) whose bytes have *digest*."""
+    return conn.execute(
+        "SELECT m.inode, m.n_pages FROM manifests m JOIN inodes i ON i.id = m.inode"
+        " WHERE i.digest = ? AND m.inode != ? LIMIT 1", (digest, but)).fetchone()
+
+
+def recorded_pages(conn: sqlite3.Connection, digest: str) -> list[str] | None:
+    """The pages of a recorded manifest whose bytes have *digest* (None: none recorded)."""
+    found = recorded_manifest(conn, digest)
+    if found is None:
+        return None
+    pages = [d for (d,) in conn.execute(
+        "SELECT digest FROM manifest_pages WHERE inode=? ORDER BY page_ix", (found[0],))]
+    return pages if len(pages) == found[1] else None
 
 
 def names_of(conn: sqlite3.Connection, ino: int) -> list[tuple[int, bytes]]:

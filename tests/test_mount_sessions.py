@@ -252,3 +252,34 @@ def test_sequential_readers_find_pages_prefetched(mount_factory, bf16_pages):
                          capture_output=True).stdout
     assert len(out) > n * len(pages[0])
     assert stats(m)["cache"]["fetched_by_reads"] <= 2
+
+
+def test_forks_record_the_same_gc_roots(mount_factory, bf16_pages, tmp_path):
+    """A fork's manifest (bytes of one already accepted) is recorded with the
+    same page list as its source, also once the source is gone."""
+    from pffs import namespace as ns
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 9)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(m / "a")], check=True)
+    for src, dst in (("a", "b"), ("b", "c")):
+        (m / dst / "pages").mkdir(parents=True)
+        subprocess.run(["cp", str(m / src / "manifest.json"), str(m / dst)], check=True)
+        if src == "a":
+            subprocess.run(["rm", "-r", str(m / "a")], check=True)
+    for d in ("b", "c"):
+        assert sorted(os.listdir(m / d / "pages")) == [mf.page_name(i) for i in range(9)]
+        assert (m / d / "pages" / mf.page_name(8)).read_bytes() == pages[8]
+    assert stats(m)["sessions"] == 2
+    assert m.stop() == 0
+    conn = ns.open_db(m.store, create_missing=False, readonly=True)
+    try:
+        rows = conn.execute(
+            "SELECT m.inode, m.n_pages, (SELECT group_concat(digest, ',') FROM"
+            " (SELECT digest FROM manifest_pages p WHERE p.inode = m.inode ORDER BY page_ix))"
+            " FROM manifests m").fetchall()
+    finally:
+        conn.close()
+    assert len(rows) == 2
+    want = ",".join(digest(p) for p in pages)
+    assert [(n, listed) for _, n, listed in rows] == [(9, want), (9, want)]

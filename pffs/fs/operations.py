@@ -488,7 +488,7 @@ class Operations(pyfuse3.Operations):
         digest, pages = checked
         if ns.get_inode(conn, ino).digest != digest:
             raise FsError(errno.EAGAIN, "manifest changed while it was being validated")
-        ns.record_manifest(conn, ino, pages)
+        ns.record_manifest(conn, ino, pages, digest)
         return ns.fork_pages(conn, parent, pages, uid, gid)
 
     def _announce(self, created) -> None:
@@ -835,7 +835,7 @@ class Operations(pyfuse3.Operations):
             created = []
             if stored.manifest is not None:
                 pages = stored.manifest.pages
-                ns.record_manifest(conn, ino, pages)
+                ns.record_manifest(conn, ino, pages, stored.digest)
                 for parent, name in ns.names_of(conn, ino):
                     if name == MANIFEST:
                         created += ns.fork_pages(conn, parent, pages, uid, gid)
