@@ -131,7 +131,8 @@ class RemoteMount:
                "pid": os.getpid(), "cache": str(self.root), "state": state, "ttl": ttl,
                "written": time.time(), "digests": sorted(digests)}
         self.blobs.put_object(self.key, encode_registration(reg),
-                              {"state": state, "ttl": str(int(ttl)), "digests": str(len(digests))})
+                              {"state": state, "ttl": str(int(ttl)), "digests": str(len(digests))},
+                              background=True)
 
     def renew(self, force: bool = False) -> bool:
         """Rewrite the registration if the references changed or a third of the lease passed."""

@@ -261,3 +261,34 @@ def test_a_timeout_that_straddles_an_answer_does_not_hold_the_store(weed, tmp_pa
     finally:
         store.close()
         hole.close()
+
+
+def test_a_background_write_that_times_out_does_not_hold_the_store(weed, tmp_path, bf16_pages):
+    """A mount's registration write that gets no answer (a server restarting
+    under it) leaves the endpoint open: the next blob request is sent."""
+    hole = Blackhole(weed.s3)
+    bucket = weed.make_bucket()
+    store = S3BlobStore(tmp_path, f"s3://{bucket}/x", options={
+        "endpoint": f"http://127.0.0.1:{hole.port}", "s3_timeout": "1", "s3_retries": "1"})
+    try:
+        a = bf16_pages[0]
+        store.put(a)
+        store.cache.discard(digest(a))
+        hole.stall = True
+        with pytest.raises(StoreUnavailable, match="(?i)timeout"):
+            store.put_object("mounts/test", b"{}", background=True)
+        assert hole.swallowed.is_set()
+        hole.stall = False
+        assert store.get(digest(a)) == a          # sent, not refused as "no answer"
+        # The same write on a user's behalf holds it.
+        store.cache.discard(digest(a))
+        hole.swallowed.clear()
+        hole.stall = True
+        with pytest.raises(StoreUnavailable, match="(?i)timeout"):
+            store.put_object("mounts/test", b"{}")
+        hole.stall = False
+        with pytest.raises(StoreUnavailable, match="no answer a moment ago"):
+            store.get(digest(a))
+    finally:
+        store.close()
+        hole.close()

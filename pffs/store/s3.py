@@ -317,7 +317,9 @@ class S3BlobStore:
         except (BotoCoreError, OSError) as e:
             raise self._error(what, e) from None
 
-    def _error(self, what: str, e: Exception) -> StoreUnavailable:
+    def _error(self, what: str, e: Exception, *, hold: bool = True) -> StoreUnavailable:
+        """The StoreUnavailable for a failed request; a timeout of one that
+        nothing answered since it began holds the endpoint (unless not *hold*)."""
         from botocore.exceptions import ClientError
         if isinstance(e, ClientError):
             code, status = _code(e), _status(e)
@@ -331,7 +333,8 @@ class S3BlobStore:
             from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
             why = str(e) or type(e).__name__
             began = getattr(self._began, "t", 0.0)
-            if isinstance(e, (ConnectTimeoutError, ReadTimeoutError)) and self._last_answer <= began:
+            if hold and isinstance(e, (ConnectTimeoutError, ReadTimeoutError)) \
+                    and self._last_answer <= began:
                 # Refused connections fail fast by themselves; only timeouts hold.
                 self._down_reason = f"no answer a moment ago ({why})"
                 self._down_until = time.monotonic() + DOWN_HOLD
@@ -659,8 +662,13 @@ class S3BlobStore:
         return body, meta
 
     def put_object(self, key: str, body: bytes, metadata: dict | None = None, *,
-                   if_absent: bool = False) -> bool:
-        """Write PREFIX/key; with *if_absent*, False (and nothing written) if it exists."""
+                   if_absent: bool = False, background: bool = False) -> bool:
+        """Write PREFIX/key; with *if_absent*, False (and nothing written) if it exists.
+
+        A *background* write (a mount's registration) that times out does not
+        hold the endpoint: nobody waits on it, and a server restarting under
+        it may answer everyone else a moment later.
+        """
         from botocore.exceptions import BotoCoreError, ClientError
         full = self.prefix + key
         kw = dict(Bucket=self.bucket, Key=full, Body=body, Metadata=metadata or {})
@@ -677,7 +685,7 @@ class S3BlobStore:
                 return False
             raise self._error(f"PUT {full}", e) from None
         except (BotoCoreError, OSError) as e:
-            raise self._error(f"PUT {full}", e) from None
+            raise self._error(f"PUT {full}", e, hold=not background) from None
         return True
 
     def delete_object(self, key: str) -> None:
