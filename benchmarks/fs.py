@@ -12,7 +12,7 @@
    trips every pyfuse3 filesystem pays per file.
 3. Forks: `cp -r`, `pffs fork`, and the metadata-only recipe.
 4. `ls -l` of a 10,000-page session (and of 10,000 files of (c)).
-Prints seconds, MB/s, stored bytes, the daemon's peak RSS and each ratio.
+Prints seconds, MB/s, stored bytes, the daemon's CPU time and peak RSS, and each ratio.
 Needs root (FUSE, drop_caches).
 """
 
@@ -64,6 +64,13 @@ def read_tree(path: Path) -> int:
                 while chunk := fh.read(1 << 20):
                     total += len(chunk)
     return total
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss(pid: int) -> int:
@@ -142,8 +149,10 @@ def main() -> int:
         m.stop = stop_and_measure
         m.start()
         try:
+            c0 = cpu_seconds(m.proc.pid)
             t_pffs = timed(lambda: (sh("cp", "-r", str(src), str(m / "s")), sh("sync")))
             st = json.loads((m / ".pffs" / "stats.json").read_text())
+            cpu_write = cpu_seconds(m.proc.pid) - c0
             print(f"\n{'write':34} {'seconds':>8} {'MB/s':>8} {'stored MiB':>11}")
             print(f"{'pffs cp -r + sync':34} {t_pffs:8.2f} {mb / t_pffs:8.0f} {st['stored_bytes'] / 2**20:11.1f}")
             print(f"{'(a) cp -r to local dir + sync':34} {t_plain:8.2f} {mb / t_plain:8.0f} {size / 2**20:11.1f}")
@@ -153,12 +162,15 @@ def main() -> int:
             print(f"{'(c) cp -r to pyfuse3 doing nothing':34} {t_wfloor:8.2f} {mb / t_wfloor:8.0f} {0:11.1f}")
             print(f"pffs write / (b): {t_tools / t_pffs:.2f}x   pffs write / (a): {t_plain / t_pffs:.2f}x   "
                   f"compression {st['compression_ratio']:.3f} (zstd -1: {size / zbytes:.3f})")
+            print(f"daemon CPU for the write: {cpu_write:.2f} s ({cpu_write / n * 1e3:.2f} ms a page)")
 
             # Cold reads
             m.stop()
             m.start()
             cold = drop_caches()
+            c0 = cpu_seconds(m.proc.pid)
             t_read = timed(lambda: read_tree(m / "s"))
+            cpu_read = cpu_seconds(m.proc.pid) - c0
             drop_caches()
             t_read_plain = timed(lambda: read_tree(plain))
             print(f"\n{'cold read' + ('' if cold else ' (caches NOT dropped)'):34} {'seconds':>8} {'MB/s':>8}")
@@ -170,6 +182,7 @@ def main() -> int:
             print(f"{'(c) pyfuse3 doing nothing, same files':34} {t_floor:8.2f} {mb / t_floor:8.0f}")
             print(f"pffs cold read / local: {t_read_plain / t_read:.2f}x   (c) / local: "
                   f"{t_read_plain / t_floor:.2f}x   pffs / (c): {t_floor / t_read:.2f}x")
+            print(f"daemon CPU for the cold read: {cpu_read:.2f} s ({cpu_read / n * 1e3:.2f} ms a page)")
 
             # Forks
             before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
