@@ -9,6 +9,7 @@ checks and changes are atomic with respect to every other change.
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import queue
@@ -41,17 +42,24 @@ class WorkerPool:
             job = self._q.get()
             if job is None:
                 return
-            fn, args, token, task = job
+            fn, args, token, deliver = job
             result = outcome.capture(fn, *args)
             try:
-                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+                token.run_sync_soon(deliver, result)
             except trio.RunFinishedError:
                 pass
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._q.put((fn, args, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()))
+        task = trio.lowlevel.current_task()
+        self._q.put((fn, args, trio.lowlevel.current_trio_token(),
+                     functools.partial(trio.lowlevel.reschedule, task)))
         return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+
+    def submit(self, done: Callable[[outcome.Outcome], Any], fn: Callable[..., Any], *args: Any) -> None:
+        """From the trio thread, without waiting: ``done(outcome of fn(*args))``
+        runs on the trio thread once a worker has run it."""
+        self._q.put((fn, args, trio.lowlevel.current_trio_token(), done))
 
     def stop(self) -> None:
         for _ in self._threads:

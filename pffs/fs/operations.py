@@ -21,6 +21,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+import outcome
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
@@ -29,9 +30,9 @@ from .. import manifest as mf
 from .. import namespace as ns
 from ..errors import IntegrityError, StoreFull, StoreUnavailable
 from ..namespace import BLOCK_SIZE, FsError
-from .blobcache import BlobCache, Prefetcher
+from .blobcache import BlobCache
 from .content import ContentStore
-from .db import Database
+from .db import Database, WorkerPool
 from .staging import MemoryBudget, Staging
 from .virtual import VirtualTree
 
@@ -169,8 +170,9 @@ class Operations(pyfuse3.Operations):
         # Where the kernel found each inode it holds (from lookups and readdir):
         # spares a query per open when deciding what to prefetch.
         self._where: dict[int, tuple[int, bytes]] = {}
-        self.prefetcher = Prefetcher(self.content.blobs.get, self._prefetched_one,
-                                     max(1, (os.cpu_count() or 2)))
+        # Threads that fetch and decode blobs ahead of readers: a queue and one
+        # callback a blob, cheaper than a trio task and trio.to_thread each.
+        self.prefetcher = WorkerPool(max(1, (os.cpu_count() or 2)), "pffs-prefetch")
         self.virtual = virtual or VirtualTree(self)
         self.nursery: trio.Nursery | None = None
         self._notify_send, self._notify_recv = trio.open_memory_channel(10000)
@@ -619,7 +621,8 @@ class Operations(pyfuse3.Operations):
                 return None
             budget -= size
             self._loading[d] = trio.Event()
-            self.prefetcher.submit(d)
+            self.prefetcher.submit(functools.partial(self._prefetched_one, d),
+                                   self.content.blobs.get, d)
         return budget
 
     def _file_window(self, parent: int, listing: Listing, first: int, end: int) -> FileWindow:
@@ -702,10 +705,11 @@ class Operations(pyfuse3.Operations):
         size = self.db.ro.execute("SELECT size FROM inodes WHERE id=?", (ino,)).fetchone()[0]
         return size, ns.blocks_of(self.db.ro, ino)
 
-    def _prefetched_one(self, digest: str, data: bytes | None) -> None:
-        """On the trio thread: a blob the prefetcher fetched (None: it failed)."""
-        if data is not None:
-            self.cache.put(digest, data)
+    def _prefetched_one(self, digest: str, fetched: outcome.Outcome) -> None:
+        """On the trio thread: a blob the prefetcher fetched, or failed to (the
+        reader's own fetch then reports why)."""
+        if isinstance(fetched, outcome.Value):
+            self.cache.put(digest, fetched.value)
         ev = self._loading.pop(digest, None)
         if ev is not None:
             ev.set()
