@@ -254,6 +254,40 @@ def test_sequential_readers_find_pages_prefetched(mount_factory, bf16_pages):
     assert stats(m)["cache"]["fetched_by_reads"] <= 2
 
 
+def test_files_changed_after_prefetch_read_back_changed(mount_factory, bf16_pages, tmp_path):
+    """Prefetching keeps what it read of a directory across later commits;
+    reads of files changed since still return their new bytes."""
+    m = mount_factory()
+    n = 12
+    pages = varied_pages(bf16_pages, 2 * n)
+    old, new = pages[:n], pages[n:]
+    write_session(tmp_path / "a", old)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(m / "s")], check=True)
+    (tmp_path / "new").write_bytes(new[5])
+    for listed in (True, False):
+        assert m.stop() == 0
+        m.start()
+        d = m / "s" / "pages"
+        if listed:
+            os.listdir(d)
+        # The first open reads the content of the next files for prefetching.
+        assert (d / mf.page_name(0)).read_bytes() == old[0]
+        (d / mf.page_name(3)).write_bytes(new[3])           # rewritten in place
+        with open(d / mf.page_name(4), "r+b") as f:          # changed in part
+            f.seek(100)
+            f.write(new[4][100:200])
+        want4 = old[4][:100] + new[4][100:200] + old[4][200:]
+        subprocess.run(["cp", str(tmp_path / "new"), str(m / "s" / "tmp")], check=True)
+        os.rename(m / "s" / "tmp", d / mf.page_name(5))    # replaced by another file
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        want = [old[0], old[1], old[2], new[3], want4, new[5], *old[6:]]
+        assert [(d / mf.page_name(i)).read_bytes() == want[i] for i in range(n)] == [True] * n
+        # Back as they were, for the second round.
+        for i in (3, 4, 5):
+            (d / mf.page_name(i)).write_bytes(old[i])
+
+
 def test_forks_record_the_same_gc_roots(mount_factory, bf16_pages, tmp_path):
     """A fork's manifest (bytes of one already accepted) is recorded with the
     same page list as its source, also once the source is gone."""
