@@ -382,6 +382,10 @@ class Operations(pyfuse3.Operations):
         mode = stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask)
         attr = await self._make(parent_inode, name, mode, ctx)
         fh = self._open_handle(attr.st_ino, flags, ctx)
+        st = self.states[attr.st_ino]
+        if st.staging is None:
+            # New and empty: its first write needs nothing from the namespace.
+            st.staging = Staging(self.budget, str(self.content.staging_dir))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), attr
 
     @handler

@@ -58,10 +58,14 @@ class Staging:
             if end > BLOCK_SIZE or (grow and self.budget.used + grow > self.budget.limit):
                 self._spill()
         if self.buf is not None:
-            if end > len(self.buf):
-                self.budget.used += end - len(self.buf)
-                self.buf.extend(bytes(end - len(self.buf)))
-            self.buf[off:end] = data
+            if off == len(self.buf):        # appending: one copy, no zero fill first
+                self.budget.used += n
+                self.buf += data
+            else:
+                if end > len(self.buf):
+                    self.budget.used += end - len(self.buf)
+                    self.buf.extend(bytes(end - len(self.buf)))
+                self.buf[off:end] = data
         else:
             view = memoryview(data)
             done = 0
