@@ -24,7 +24,7 @@ from typing import Iterable
 from .errors import PffsError
 from .types import Digest, InodeNo
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -69,7 +69,6 @@ CREATE TABLE dentries (
     UNIQUE (parent, name)
 );
 CREATE INDEX dentries_inode ON dentries(inode);
-CREATE INDEX dentries_name ON dentries(name);
 
 -- The bytes of regular files. Block n covers bytes [n*BLOCK_SIZE, (n+1)*BLOCK_SIZE)
 -- of the file; every block of [0, size) has a row. A file of at most
@@ -246,13 +245,21 @@ def open_db(store_root: str | os.PathLike, *, create_missing: bool = True,
         conn.close()
         raise SchemaError(f"{path}: schema version {v} is newer than this pffs ({SCHEMA_VERSION});"
                           " upgrade pffs")
-    if v < SCHEMA_VERSION:
+    if v < SCHEMA_VERSION and not readonly:
+        # (A read-only open reads an older schema as it is: so far they
+        # differ only in indexes.)
         migrate(conn, v)
     return conn
 
 
 # Forward migrations: MIGRATIONS[v] turns schema v into v+1.
-MIGRATIONS: dict[int, list[str]] = {}
+MIGRATIONS: dict[int, list[str]] = {
+    # 1 -> 2: no index of names across directories.  Every page file created
+    # put its name ("000123", shared by every session) at a scattered place
+    # in it, and a fork's commit rewrote most of its pages; sessions are
+    # counted from `manifests` instead.
+    1: ["DROP INDEX IF EXISTS dentries_name"],
+}
 
 
 def migrate(conn: sqlite3.Connection, version: int) -> None:
@@ -294,7 +301,7 @@ class Stats:
 def stats(conn: sqlite3.Connection) -> Stats:
     """SPEC §4 figures. Files count links (a hard-linked file counts once per name)."""
     sessions = conn.execute(
-        "SELECT COUNT(*) FROM dentries d JOIN manifests m ON m.inode = d.inode"
+        "SELECT COUNT(*) FROM manifests m CROSS JOIN dentries d ON d.inode = m.inode"
         " WHERE d.name = ?", (b"manifest.json",)).fetchone()[0]
     files, logical = conn.execute(
         "SELECT COUNT(*), COALESCE(SUM(i.size), 0) FROM dentries d JOIN inodes i ON i.id = d.inode"

@@ -176,6 +176,34 @@ def test_newer_schema_is_refused_by_mount_check_and_gc(tmp_path):
     assert not os.path.ismount(mp)
 
 
+def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_path):
+    """Schema 1 had an index of names across directories (dentries_name)."""
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 3, salt=55)
+    write_session(tmp_path / "s", pages)
+    cp_session(tmp_path / "s", m / "s")
+    assert m.stop() == 0
+    conn = sqlite3.connect(m.store / "namespace.db")
+    conn.execute("CREATE INDEX dentries_name ON dentries(name)")
+    conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    conn.commit()
+    conn.close()
+
+    def schema():
+        c = sqlite3.connect(m.store / "namespace.db")
+        try:
+            return (c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0],
+                    c.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='dentries_name'").fetchone()[0])
+        finally:
+            c.close()
+    m.start()  # migrates
+    assert [(m / "s" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
+    assert stats(m.path)["sessions"] == 1
+    assert m.stop() == 0
+    assert schema() == (str(ns.SCHEMA_VERSION), 0)
+    assert "1 sessions" in pffs("check", "--store", m.store, "--read-data").stdout
+
+
 # -- check and repair ------------------------------------------------------------
 
 def test_damaged_blobs_give_eio_and_repair_isolates_them(mount_factory, bf16_pages, tmp_path):
@@ -417,7 +445,7 @@ def test_repair_restores_a_snapshot_when_the_integrity_check_fails(mount_factory
     assert m.stop() == 0  # the unmount checkpoints the WAL and takes a snapshot
     db = m.store / "namespace.db"
     conn = sqlite3.connect(db)
-    root, size = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='dentries_name'").fetchone()[0], \
+    root, size = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='dentries_inode'").fetchone()[0], \
         conn.execute("PRAGMA page_size").fetchone()[0]
     conn.close()
     with open(db, "r+b") as f:  # the database still opens; one index page is garbage
