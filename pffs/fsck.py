@@ -164,12 +164,19 @@ def _check_files(conn: sqlite3.Connection, r: Report) -> None:
             r.bad_files[ino] = f"{nblocks} blocks of {total} bytes for a size of {size}"
         elif want <= 1 and digest != (blocks[0] if blocks else EMPTY_DIGEST):
             r.bad_files[ino] = f"digest {digest} disagrees with its blob"
-    for table, col in (("blocks", "inode"), ("xattrs", "inode"), ("manifest_pages", "inode"),
-                       ("manifests", "inode")):
-        n = conn.execute(f"SELECT COUNT(*) FROM {table} t LEFT JOIN inodes i ON i.id = t.{col}"
+    for table in ("blocks", "xattrs", "manifests"):
+        n = conn.execute(f"SELECT COUNT(*) FROM {table} t LEFT JOIN inodes i ON i.id = t.inode"
                          " WHERE i.id IS NULL").fetchone()[0]
         if n:
             r.damage.append(f"{n} {table} rows belong to inodes that do not exist")
+    n = conn.execute("SELECT COUNT(*) FROM manifests m JOIN inodes i ON i.id = m.inode"
+                     " WHERE i.digest IS NOT m.digest").fetchone()[0]
+    if n:
+        r.damage.append(f"{n} manifests rows name bytes their files no longer hold")
+    n = conn.execute("SELECT COUNT(*) FROM manifest_pages p WHERE NOT EXISTS"
+                     " (SELECT 1 FROM manifests m WHERE m.digest = p.manifest)").fetchone()[0]
+    if n:
+        r.damage.append(f"{n} manifest_pages rows belong to manifests no file holds")
     n = conn.execute("SELECT COUNT(*) FROM blocks b JOIN inodes i ON i.id = b.inode"
                      " WHERE (i.mode & 61440) != 32768").fetchone()[0]
     if n:

@@ -24,7 +24,7 @@ from typing import Iterable
 from .errors import PffsError
 from .types import Digest, InodeNo
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -101,24 +101,28 @@ CREATE TABLE xattrs (
     PRIMARY KEY (inode, name)
 ) WITHOUT ROWID;
 
--- Page digests listed by the manifest.json files: gc roots, so a metadata-only
--- fork can bring back pages that no file holds any more. Rows belong to the
--- manifest file's inode and are dropped whenever its content changes.
-CREATE TABLE manifest_pages (
-    inode   INTEGER NOT NULL REFERENCES inodes(id),
-    page_ix INTEGER NOT NULL,
-    digest  TEXT NOT NULL,
-    PRIMARY KEY (inode, page_ix)
-) WITHOUT ROWID;
-CREATE INDEX manifest_pages_digest ON manifest_pages(digest);
-
 -- Inodes whose content was a valid manifest when it last took the name
 -- manifest.json (or was committed under it). A directory holding such a
--- manifest.json is a session.
+-- manifest.json is a session. digest is the inode's digest when recorded;
+-- the row is dropped whenever the content changes.
 CREATE TABLE manifests (
     inode   INTEGER PRIMARY KEY REFERENCES inodes(id),
-    n_pages INTEGER NOT NULL
+    n_pages INTEGER NOT NULL,
+    digest  TEXT NOT NULL
 );
+CREATE INDEX manifests_digest ON manifests(digest);
+
+-- Page digests listed by the manifest.json files: gc roots, so a metadata-only
+-- fork can bring back pages that no file holds any more. Rows belong to the
+-- manifest's bytes, not to a file: every recorded manifest with those bytes
+-- (a session and its forks) shares them, and they go with the last of those.
+CREATE TABLE manifest_pages (
+    manifest TEXT NOT NULL,     -- manifests.digest
+    page_ix  INTEGER NOT NULL,
+    digest   TEXT NOT NULL,
+    PRIMARY KEY (manifest, page_ix)
+) WITHOUT ROWID;
+CREATE INDEX manifest_pages_digest ON manifest_pages(digest);
 """
 
 
@@ -245,9 +249,11 @@ def open_db(store_root: str | os.PathLike, *, create_missing: bool = True,
         conn.close()
         raise SchemaError(f"{path}: schema version {v} is newer than this pffs ({SCHEMA_VERSION});"
                           " upgrade pffs")
-    if v < SCHEMA_VERSION and not readonly:
-        # (A read-only open reads an older schema as it is: so far they
-        # differ only in indexes.)
+    if v < SCHEMA_VERSION:
+        if readonly:
+            conn.close()
+            raise SchemaError(f"{path}: schema version {v} is older than this pffs ({SCHEMA_VERSION});"
+                              " mount the store once to upgrade it")
         migrate(conn, v)
     return conn
 
@@ -259,6 +265,22 @@ MIGRATIONS: dict[int, list[str]] = {
     # in it, and a fork's commit rewrote most of its pages; sessions are
     # counted from `manifests` instead.
     1: ["DROP INDEX IF EXISTS dentries_name"],
+    # 2 -> 3: page lists belong to a manifest's bytes, shared by a session
+    # and its forks, not copied into rows of each manifest file.
+    2: ["CREATE TABLE manifests_3 (inode INTEGER PRIMARY KEY REFERENCES inodes(id),"
+        " n_pages INTEGER NOT NULL, digest TEXT NOT NULL)",
+        "INSERT INTO manifests_3 SELECT m.inode, m.n_pages, i.digest FROM manifests m"
+        " JOIN inodes i ON i.id = m.inode WHERE i.digest IS NOT NULL",
+        "CREATE TABLE manifest_pages_3 (manifest TEXT NOT NULL, page_ix INTEGER NOT NULL,"
+        " digest TEXT NOT NULL, PRIMARY KEY (manifest, page_ix)) WITHOUT ROWID",
+        "INSERT OR IGNORE INTO manifest_pages_3 SELECT m.digest, p.page_ix, p.digest"
+        " FROM manifest_pages p JOIN manifests_3 m ON m.inode = p.inode",
+        "DROP TABLE manifest_pages",
+        "DROP TABLE manifests",
+        "ALTER TABLE manifests_3 RENAME TO manifests",
+        "ALTER TABLE manifest_pages_3 RENAME TO manifest_pages",
+        "CREATE INDEX manifests_digest ON manifests(digest)",
+        "CREATE INDEX manifest_pages_digest ON manifest_pages(digest)"],
 }
 
 
@@ -436,8 +458,7 @@ def delete_inode(conn: sqlite3.Connection, ino: int) -> None:
     """Drop an inode and everything it holds (its blobs stay until gc)."""
     conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
     conn.execute("DELETE FROM xattrs WHERE inode=?", (ino,))
-    conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
-    conn.execute("DELETE FROM manifests WHERE inode=?", (ino,))
+    forget_manifest(conn, ino)
     conn.execute("DELETE FROM inodes WHERE id=?", (ino,))
 
 
@@ -594,8 +615,7 @@ def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
     conn.execute("UPDATE inodes SET size=?, digest=?, mtime_ns=COALESCE(?, mtime_ns), ctime_ns=? WHERE id=?",
                  (size, digest, mtime_ns, ctime_ns or t, ino))
     # The content changed: whatever it listed as a manifest no longer holds.
-    conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
-    conn.execute("DELETE FROM manifests WHERE inode=?", (ino,))
+    forget_manifest(conn, ino)
 
 
 def blocks_of(conn: sqlite3.Connection, ino: int) -> list[str]:
@@ -613,39 +633,47 @@ def known_blobs(conn: sqlite3.Connection, digests: Iterable[str]) -> dict[str, i
     return out
 
 
-def record_manifest(conn: sqlite3.Connection, ino: int, pages: list[str],
-                    digest: str | None = None) -> None:
-    """Remember that *ino* holds a valid manifest listing *pages* (gc roots).
+def record_manifest(conn: sqlite3.Connection, ino: int, pages: list[str], digest: str) -> None:
+    """Remember that *ino*, whose bytes have *digest*, holds a valid manifest listing *pages*.
 
-    With *digest* (of the manifest's bytes), the rows of another recorded
-    manifest with the same bytes (a fork's source) are copied in one statement.
+    The pages (gc roots) are rows of the manifest's bytes: a fork's manifest,
+    byte for byte its source's, adds one ``manifests`` row and no page rows.
     """
-    conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
-    conn.execute("INSERT OR REPLACE INTO manifests (inode, n_pages) VALUES (?,?)", (ino, len(pages)))
-    twin = recorded_manifest(conn, digest, but=ino) if digest else None
-    if twin is not None and twin[1] == len(pages):
-        conn.execute("INSERT INTO manifest_pages (inode, page_ix, digest)"
-                     " SELECT ?, page_ix, digest FROM manifest_pages WHERE inode=?", (ino, twin[0]))
+    old = conn.execute("SELECT digest FROM manifests WHERE inode=?", (ino,)).fetchone()
+    conn.execute("INSERT OR REPLACE INTO manifests (inode, n_pages, digest) VALUES (?,?,?)",
+                 (ino, len(pages), digest))
+    if old is not None and old[0] != digest:
+        _drop_unheld_pages(conn, old[0])
+    have = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE manifest=?", (digest,)).fetchone()[0]
+    if have == len(pages):
         return
-    conn.executemany("INSERT INTO manifest_pages (inode, page_ix, digest) VALUES (?,?,?)",
-                     [(ino, i, d) for i, d in enumerate(pages)])
+    conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
+    conn.executemany("INSERT INTO manifest_pages (manifest, page_ix, digest) VALUES (?,?,?)",
+                     [(digest, i, d) for i, d in enumerate(pages)])
 
 
-def recorded_manifest(conn: sqlite3.Connection, digest: str, but: int = 0) -> tuple[int, int] | None:
-    """(inode, page count) of a recorded manifest (other than *but*) whose bytes have *digest*."""
-    return conn.execute(
-        "SELECT m.inode, m.n_pages FROM manifests m JOIN inodes i ON i.id = m.inode"
-        " WHERE i.digest = ? AND m.inode != ? LIMIT 1", (digest, but)).fetchone()
+def forget_manifest(conn: sqlite3.Connection, ino: int) -> None:
+    """*ino* holds no recorded manifest any more; its page rows go with the last holder of its bytes."""
+    row = conn.execute("SELECT digest FROM manifests WHERE inode=?", (ino,)).fetchone()
+    if row is None:
+        return
+    conn.execute("DELETE FROM manifests WHERE inode=?", (ino,))
+    _drop_unheld_pages(conn, row[0])
+
+
+def _drop_unheld_pages(conn: sqlite3.Connection, digest: str) -> None:
+    if conn.execute("SELECT 1 FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone() is None:
+        conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
 
 
 def recorded_pages(conn: sqlite3.Connection, digest: str) -> list[str] | None:
     """The pages of a recorded manifest whose bytes have *digest* (None: none recorded)."""
-    found = recorded_manifest(conn, digest)
+    found = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone()
     if found is None:
         return None
     pages = [d for (d,) in conn.execute(
-        "SELECT digest FROM manifest_pages WHERE inode=? ORDER BY page_ix", (found[0],))]
-    return pages if len(pages) == found[1] else None
+        "SELECT digest FROM manifest_pages WHERE manifest=? ORDER BY page_ix", (digest,))]
+    return pages if len(pages) == found[0] else None
 
 
 def names_of(conn: sqlite3.Connection, ino: int) -> list[tuple[int, bytes]]:

@@ -245,10 +245,17 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
         _say(result, say, f"dropped {n} entries naming the root directory")
 
     # Rows that belong to nothing.
-    for table in ("blocks", "xattrs", "manifest_pages", "manifests"):
+    for table in ("blocks", "xattrs", "manifests"):
         n = conn.execute(f"DELETE FROM {table} WHERE inode NOT IN (SELECT id FROM inodes)").rowcount
         if n:
             _say(result, say, f"dropped {n} {table} rows of inodes that do not exist")
+    n = conn.execute("DELETE FROM manifests WHERE inode IN (SELECT m.inode FROM manifests m"
+                     " JOIN inodes i ON i.id = m.inode WHERE i.digest IS NOT m.digest)").rowcount
+    if n:
+        _say(result, say, f"dropped {n} manifests rows of files whose bytes changed since")
+    n = conn.execute("DELETE FROM manifest_pages WHERE manifest NOT IN (SELECT digest FROM manifests)").rowcount
+    if n:
+        _say(result, say, f"dropped {n} manifest_pages rows of manifests no file holds")
     n = conn.execute("DELETE FROM blocks WHERE inode IN (SELECT id FROM inodes"
                      " WHERE (mode & 61440) != 32768)").rowcount
     if n:
@@ -369,8 +376,7 @@ def _isolate(conn: sqlite3.Connection, store: StoreDir, ino: int, why: str, s: f
     conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
     conn.executemany("INSERT INTO blocks (inode, blockno, blob) VALUES (?,?,?)",
                      [(ino, i, d) for i, d in enumerate(keep)])
-    conn.execute("DELETE FROM manifest_pages WHERE inode=?", (ino,))
-    conn.execute("DELETE FROM manifests WHERE inode=?", (ino,))
+    ns.forget_manifest(conn, ino)
     conn.execute("UPDATE inodes SET size=?, digest=?, ctime_ns=? WHERE id=?",
                  (kept_bytes, digest, ns.now_ns(), ino))
     if names:
@@ -443,7 +449,7 @@ def _recover_after(conn: sqlite3.Connection, store: StoreDir, since: float, resu
         f = ns.make_inode(conn, dest, name, stat.S_IFREG | 0o600, 0, 0)
         ns.set_content(conn, f.id, raw, d, [d] if raw else [], [], None)
         if d in manifests:
-            ns.record_manifest(conn, f.id, manifests[d])
+            ns.record_manifest(conn, f.id, manifests[d], d)
         n_files += 1
     _say(result, say, f"{len(found)} blobs written after the snapshot were recovered:"
                       f" {len(manifests)} manifests and {n_files - len(manifests)} other files in"

@@ -176,32 +176,61 @@ def test_newer_schema_is_refused_by_mount_check_and_gc(tmp_path):
     assert not os.path.ismount(mp)
 
 
+# The tables of schemas 1 and 2 that schema 3 changed: page lists were rows
+# of each manifest file's inode.
+SCHEMA_2_MANIFESTS = [
+    "CREATE TABLE manifest_pages_2 (inode INTEGER NOT NULL REFERENCES inodes(id), page_ix INTEGER NOT NULL,"
+    " digest TEXT NOT NULL, PRIMARY KEY (inode, page_ix)) WITHOUT ROWID",
+    "INSERT INTO manifest_pages_2 SELECT m.inode, p.page_ix, p.digest FROM manifests m"
+    " JOIN manifest_pages p ON p.manifest = m.digest",
+    "CREATE TABLE manifests_2 (inode INTEGER PRIMARY KEY REFERENCES inodes(id), n_pages INTEGER NOT NULL)",
+    "INSERT INTO manifests_2 SELECT inode, n_pages FROM manifests",
+    "DROP TABLE manifest_pages",
+    "DROP TABLE manifests",
+    "ALTER TABLE manifest_pages_2 RENAME TO manifest_pages",
+    "ALTER TABLE manifests_2 RENAME TO manifests",
+    "CREATE INDEX manifest_pages_digest ON manifest_pages(digest)",
+]
+
+
 def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_path):
-    """Schema 1 had an index of names across directories (dentries_name)."""
+    """Schema 1 had an index of names across directories (dentries_name);
+    schemas 1 and 2 kept a page list per manifest file, schema 3 one per
+    manifest's bytes."""
     m = mount_factory()
     pages = varied_pages(bf16_pages, 3, salt=55)
     write_session(tmp_path / "s", pages)
     cp_session(tmp_path / "s", m / "s")
+    pffs("fork", m / "s", m / "f")
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
-    conn.execute("CREATE INDEX dentries_name ON dentries(name)")
+    for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS]:
+        conn.execute(stmt)
     conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     conn.commit()
+    assert conn.execute("SELECT COUNT(*) FROM manifest_pages").fetchone()[0] == 6
     conn.close()
+    with pytest.raises(ns.SchemaError, match="mount the store once to upgrade it"):
+        ns.open_db(m.store, readonly=True)  # (a read-only open cannot migrate)
 
     def schema():
         c = sqlite3.connect(m.store / "namespace.db")
         try:
             return (c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0],
-                    c.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='dentries_name'").fetchone()[0])
+                    c.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='dentries_name'").fetchone()[0],
+                    c.execute("SELECT COUNT(*) FROM manifests").fetchone()[0],
+                    c.execute("SELECT page_ix, digest FROM manifest_pages ORDER BY page_ix").fetchall())
         finally:
             c.close()
     m.start()  # migrates
-    assert [(m / "s" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
-    assert stats(m.path)["sessions"] == 1
+    for s in ("s", "f"):
+        assert [(m / s / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
+    assert stats(m.path)["sessions"] == 2
+    pffs("fork", m / "f", m / "g")
+    assert [(m / "g" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
     assert m.stop() == 0
-    assert schema() == (str(ns.SCHEMA_VERSION), 0)
-    assert "1 sessions" in pffs("check", "--store", m.store, "--read-data").stdout
+    assert schema() == (str(ns.SCHEMA_VERSION), 0, 3, [(i, digest(p)) for i, p in enumerate(pages)])
+    assert "3 sessions" in pffs("check", "--store", m.store, "--read-data").stdout
 
 
 # -- check and repair ------------------------------------------------------------
@@ -312,6 +341,7 @@ def test_repair_fixes_structure_without_losing_files(mount_factory, bf16_pages, 
     (m / "d1" / "d2").mkdir(parents=True)
     (m / "d1" / "d2" / "f").write_bytes(b"keep me")
     (m / "g").write_bytes(b"and me")
+    pffs("fork", m / "s", m / "t")
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
     ino = lambda parent, name: conn.execute(  # noqa: E731
@@ -324,13 +354,18 @@ def test_repair_fixes_structure_without_losing_files(mount_factory, bf16_pages, 
     conn.execute("UPDATE dentries SET parent=? WHERE parent=1 AND name=?", (ino(d1, b"d2"), b"d1"))  # cycle
     conn.execute("INSERT INTO dentries (parent, name, inode) VALUES (1, ?, 99999)", (b"ghost",))
     conn.execute("INSERT INTO xattrs (inode, name, value) VALUES (88888, ?, ?)", (b"user.x", b"y"))
+    conn.execute("INSERT INTO manifest_pages (manifest, page_ix, digest) VALUES ('sha256:gone', 0, ?)",
+                 (digest(pages[0]),))
+    conn.execute("UPDATE manifests SET digest='sha256:other' WHERE inode=?", (ino(ino(1, b"t"), b"manifest.json"),))
     conn.commit()
     conn.close()
 
     r = pffs("check", "--store", m.store, check=False)
     assert r.returncode == 1
     for what in ("link count 7, should be 1", f"inode {g} has no name", "cannot be reached from the root",
-                 "names missing inode 99999", "1 xattrs rows belong to inodes that do not exist"):
+                 "names missing inode 99999", "1 xattrs rows belong to inodes that do not exist",
+                 "1 manifest_pages rows belong to manifests no file holds",
+                 "1 manifests rows name bytes their files no longer hold"):
         assert what in r.stdout, what
     r = pffs("check", "--store", m.store, "--repair", check=False)
     assert r.returncode == 0, r.stdout
@@ -341,6 +376,11 @@ def test_repair_fixes_structure_without_losing_files(mount_factory, bf16_pages, 
     assert [(m / "s" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
     assert os.stat(m / "s" / "manifest.json").st_nlink == 1
     assert not os.path.lexists(m / "ghost")
+    # t's manifest is no longer recorded (its row named other bytes); its files are all there.
+    assert [(m / "t" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
+    assert stats(m.path)["sessions"] == 1
+    assert m.stop() == 0
+    assert pffs("check", "--store", m.store, check=False).returncode == 0
 
 
 def test_check_refuses_a_mounted_store(mnt):

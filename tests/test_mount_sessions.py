@@ -289,8 +289,8 @@ def test_files_changed_after_prefetch_read_back_changed(mount_factory, bf16_page
 
 
 def test_forks_record_the_same_gc_roots(mount_factory, bf16_pages, tmp_path):
-    """A fork's manifest (bytes of one already accepted) is recorded with the
-    same page list as its source, also once the source is gone."""
+    """A fork's manifest (bytes of one already accepted) shares its source's
+    page list, which stays while any of them is left, and goes with the last."""
     from pffs import namespace as ns
     m = mount_factory()
     pages = varied_pages(bf16_pages, 9)
@@ -305,15 +305,27 @@ def test_forks_record_the_same_gc_roots(mount_factory, bf16_pages, tmp_path):
         assert sorted(os.listdir(m / d / "pages")) == [mf.page_name(i) for i in range(9)]
         assert (m / d / "pages" / mf.page_name(8)).read_bytes() == pages[8]
     assert stats(m)["sessions"] == 2
+
+    def recorded():
+        conn = ns.open_db(m.store, create_missing=False, readonly=True)
+        try:
+            return (conn.execute("SELECT n_pages, digest FROM manifests").fetchall(),
+                    conn.execute("SELECT manifest, page_ix, digest FROM manifest_pages"
+                                 " ORDER BY manifest, page_ix").fetchall())
+        finally:
+            conn.close()
     assert m.stop() == 0
-    conn = ns.open_db(m.store, create_missing=False, readonly=True)
-    try:
-        rows = conn.execute(
-            "SELECT m.inode, m.n_pages, (SELECT group_concat(digest, ',') FROM"
-            " (SELECT digest FROM manifest_pages p WHERE p.inode = m.inode ORDER BY page_ix))"
-            " FROM manifests m").fetchall()
-    finally:
-        conn.close()
-    assert len(rows) == 2
-    want = ",".join(digest(p) for p in pages)
-    assert [(n, listed) for _, n, listed in rows] == [(9, want), (9, want)]
+    rows, listed = recorded()
+    assert len(rows) == 2 and rows[0] == rows[1] and rows[0][0] == 9
+    man = rows[0][1]
+    assert listed == [(man, i, digest(p)) for i, p in enumerate(pages)]  # one list, not two
+    m.start()
+    subprocess.run(["rm", "-r", str(m / "b")], check=True)
+    assert m.stop() == 0
+    assert recorded() == ([(9, man)], listed)
+    m.start()
+    (m / "c" / "manifest.json").write_bytes(make_manifest(pages[:3]).to_json())  # c's bytes change
+    assert m.stop() == 0
+    rows, listed = recorded()
+    assert len(rows) == 1 and rows[0][0] == 3 and rows[0][1] != man
+    assert [(ix, d) for _, ix, d in listed] == [(i, digest(p)) for i, p in enumerate(pages[:3])]
