@@ -16,6 +16,7 @@ import errno
 import mmap
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,35 @@ def test_kill9_after_random_operations_keeps_every_closed_file(mount_factory, se
     assert m.stop() == 0
     r = m.check_store()
     assert r.returncode == 0 and "DAMAGE" not in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_operations_in_three_folders_at_once(mount_factory, seed):
+    """Three threads, each with its own folder and model, on one mount."""
+    m = mount_factory()
+    runs = []
+    for k in range(3):
+        (m.path / f"t{k}").mkdir()
+        runs.append(Fsx(m.path / f"t{k}", 100 * seed + k))
+    models: dict[int, Model] = {}
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            models[k] = runs[k].run(int(os.environ.get("FSX_OPS", "600")) // 2)
+        except BaseException as e:  # noqa: BLE001 (raised again by the test thread)
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    for k, model in models.items():
+        check_tree(m.path / f"t{k}", model)
+    assert m.stop() == 0
+    m.start()
+    for k, model in models.items():
+        check_tree(m.path / f"t{k}", model)
