@@ -55,7 +55,10 @@ class SessionFsx:
         ops, weights = list(OPS), list(OPS.values())
         for step in range(n_ops):
             op = self.rnd.choices(ops, weights)[0] if self.sessions else "new"
-            getattr(self, "op_" + op)()
+            if op.startswith("fork_"):
+                self.fork(op[len("fork_"):])
+            else:
+                getattr(self, "op_" + op)()
             if self.sessions:
                 self.verify(self.rnd.choice(sorted(self.sessions)))
 
@@ -136,24 +139,16 @@ class SessionFsx:
             self.fail(f"fork {how} {src} -> {dst} added {self.stored_bytes() - before} stored bytes")
         self.log.append(f"fork {how} {src} -> {dst}")
 
-    def op_fork_cp(self) -> None:
-        self.fork("cp")
-
-    def op_fork_al(self) -> None:
-        self.fork("al")
-
-    def op_fork_pffs(self) -> None:
-        self.fork("pffs")
-
-    def op_fork_meta(self) -> None:
-        self.fork("meta")
-
-    def op_rewrite(self) -> None:
+    def pick_page(self) -> tuple[str, Session, str] | None:
         name = self.pick()
         s = self.sessions[name]
-        if not s.pages:
+        return (name, s, self.rnd.choice(sorted(s.pages))) if s.pages else None
+
+    def op_rewrite(self) -> None:
+        picked = self.pick_page()
+        if picked is None:
             return
-        p = self.rnd.choice(sorted(s.pages))
+        name, s, p = picked
         data = self.rnd.choice(self.pool)
         with open(self.root / name / mf.PAGES_DIR / p, "r+b") as f:  # in place: hard links see it
             f.write(data)
@@ -161,11 +156,10 @@ class SessionFsx:
         self.log.append(f"rewrite {name}/pages/{p}")
 
     def op_rm_page(self) -> None:
-        name = self.pick()
-        s = self.sessions[name]
-        if not s.pages:
+        picked = self.pick_page()
+        if picked is None:
             return
-        p = self.rnd.choice(sorted(s.pages))
+        name, s, p = picked
         os.unlink(self.root / name / mf.PAGES_DIR / p)
         del s.pages[p]
         self.log.append(f"rm {name}/pages/{p}")
