@@ -11,7 +11,8 @@
    filesystem that does no work at all (benchmarks/fuse_floor.py): the round
    trips every pyfuse3 filesystem pays per file.
 3. Forks: `cp -r`, `pffs fork`, and the metadata-only recipe.
-4. `ls -l` of a 10,000-page session (and of 10,000 files of (c)).
+4. `ls -l` of a 10,000-page session (and of 10,000 files of (c)), and the
+   two quick forks again at that size, to show how they grow.
 Prints seconds, MB/s, stored bytes, the daemon's CPU time and peak RSS, and each ratio.
 Needs root (FUSE, drop_caches).
 """
@@ -79,6 +80,29 @@ def peak_rss(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def quick_forks(m, name: str, n: int) -> tuple[float, float, float]:
+    """Seconds for `pffs fork` (the command, then the same work in this process)
+    and the metadata-only recipe, each forking session *name* of *n* pages."""
+    src = m / name
+    t_cmd = timed(lambda: sh(sys.executable, "-m", "pffs.cli", "fork", str(src), str(m / f"{name}-fork")))
+    t_inproc = timed(lambda: __import__("pffs.tools", fromlist=["fork"]).fork(
+        str(src), str(m / f"{name}-fork2")))
+
+    def meta():
+        (m / f"{name}-meta" / "pages").mkdir(parents=True)
+        shutil.copyfile(src / "manifest.json", m / f"{name}-meta" / "manifest.json")
+    t_meta = timed(meta)
+    for f in ("fork", "fork2", "meta"):
+        assert len(os.listdir(m / f"{name}-{f}" / "pages")) == n
+    return t_cmd, t_inproc, t_meta
+
+
+def print_quick_forks(t_cmd: float, t_inproc: float, t_meta: float) -> None:
+    print(f"{'pffs fork (command, incl. startup)':34} {t_cmd:8.3f}")
+    print(f"{'pffs fork (the work itself)':34} {t_inproc:8.3f}")
+    print(f"{'mkdir pages + cp manifest.json':34} {t_meta:8.3f}")
 
 
 class Floor:
@@ -187,21 +211,11 @@ def main() -> int:
             # Forks
             before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
             t_cp = timed(lambda: sh("cp", "-r", str(m / "s"), str(m / "fork-cp")))
-            t_fork = timed(lambda: sh(sys.executable, "-m", "pffs.cli", "fork", str(m / "s"), str(m / "fork-pffs")))
-            t_fork_inproc = timed(lambda: __import__("pffs.tools", fromlist=["fork"]).fork(
-                str(m / "s"), str(m / "fork-pffs2")))
-
-            def meta():
-                (m / "fork-meta" / "pages").mkdir(parents=True)
-                shutil.copyfile(m / "s" / "manifest.json", m / "fork-meta" / "manifest.json")
-            t_meta = timed(meta)
+            t_fork, t_fork_inproc, t_meta = quick_forks(m, "s", n)
             after = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
-            assert len(os.listdir(m / "fork-meta" / "pages")) == n
             print(f"\n{'fork of ' + str(n) + ' pages':34} {'seconds':>8}")
             print(f"{'cp -r':34} {t_cp:8.3f}")
-            print(f"{'pffs fork (command, incl. startup)':34} {t_fork:8.3f}")
-            print(f"{'pffs fork (the work itself)':34} {t_fork_inproc:8.3f}")
-            print(f"{'mkdir pages + cp manifest.json':34} {t_meta:8.3f}")
+            print_quick_forks(t_fork, t_fork_inproc, t_meta)
             print(f"stored bytes added by 4 forks: {after - before}")
 
             # ls -l of a big session (one page digest listed many times)
@@ -220,6 +234,9 @@ def main() -> int:
                                                           stdout=subprocess.DEVNULL))
             print(f"\nls -l of {args.ls_pages} pages: {t_ls:.3f} s cold, {t_ls2:.3f} s warm; "
                   f"(c) pyfuse3 doing nothing: {t_ls_floor:.3f} s")
+            # How the forks grow with the session: the same three at 10,000 pages.
+            print(f"\n{'fork of ' + str(args.ls_pages) + ' pages':34} {'seconds':>8}")
+            print_quick_forks(*quick_forks(m, "big", args.ls_pages))
             m.stop()
             print(f"daemon peak RSS (largest over the mounts of this run): {rss_max / 2**20:.0f} MiB")
         finally:
