@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 
+import pytest
 import torch
 
 from mountutil import pffs, wait_for
@@ -126,13 +127,18 @@ def test_large_file_in_blocks_reads_back_from_the_bucket(weed, s3_mounts):
     assert (m / "big.bin").read_bytes() == data
 
 
-def test_random_operations_read_back_from_the_bucket_alone(weed, s3_mounts):
+# S3_FSX_SEEDS="1 2 3 ..." and S3_FSX_OPS=N run longer searches.
+S3_FSX_SEEDS = [int(s) for s in os.environ.get("S3_FSX_SEEDS", "5").split()]
+
+
+@pytest.mark.parametrize("seed", S3_FSX_SEEDS)
+def test_random_operations_read_back_from_the_bucket_alone(weed, s3_mounts, seed):
     """The model-checked random operations of test_mount_fsx on an S3 store;
     then, with the local blob cache deleted, every file again from the bucket."""
     from test_mount_fsx import Fsx, check_tree
     bucket = weed.make_bucket()
     m = s3_mounts("m", f"s3://{bucket}/fsx")
-    model = Fsx(m.path, 5).run(300)
+    model = Fsx(m.path, seed).run(int(os.environ.get("S3_FSX_OPS", "300")))
     check_tree(m.path, model)
     assert m.stop() == 0
     shutil.rmtree(m.store / "blobs")
