@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sqlite3
 import sys
 
 from . import __version__
@@ -46,6 +44,7 @@ def _store(args):
 
 
 def cmd_stats(args) -> int:
+    import json
     from . import namespace
     if args.mountpoint:
         path = os.path.join(args.mountpoint, ".pffs", "stats.json")
@@ -292,12 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pffs {args.cmd}: interrupted", file=sys.stderr)
         return 130
-    except sqlite3.Error as e:
-        print(f"pffs {args.cmd}: namespace database: {e}", file=sys.stderr)
-        return 1
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         print(f"pffs {args.cmd}: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        # Only the commands that open the namespace import sqlite3 (which
+        # costs a quick command like fork a tenth of its time).
+        sqlite3 = sys.modules.get("sqlite3")
+        if sqlite3 is None or not isinstance(e, sqlite3.Error):
+            raise
+        print(f"pffs {args.cmd}: namespace database: {e}", file=sys.stderr)
         return 1
 
 

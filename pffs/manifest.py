@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PffsError
+from .layout import MANIFEST_NAME, PAGES_DIR  # noqa: F401 (part of this module's interface)
 from .types import Digest, PageIndex, is_digest
 
-MANIFEST_NAME = "manifest.json"
-PAGES_DIR = "pages"
 LAYOUTS = ("paged-batchinvariant-v1",)
 DEFAULT_LAYOUT = LAYOUTS[0]
 DTYPE_SIZES = {"bf16": 2, "f16": 2, "f32": 4, "fp8e4m3": 1, "fp8e5m2": 1}

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
-from . import manifest as mf
 from .errors import PffsError
+from .layout import MANIFEST_NAME, PAGES_DIR
+
+# Imported where used: ``pffs fork`` runs in about the time Python takes to
+# start, and the manifest model, subprocess and hashlib would add a third.
 
 DIGEST_XATTR = "user.pffs.digest"
 
@@ -40,6 +39,8 @@ def daemon_info(mountpoint: Path) -> dict[str, str]:
 
 
 def umount(mountpoint: str, timeout: float = 60.0) -> None:
+    import subprocess
+    import time
     mp = Path(mountpoint).absolute()
     try:
         os.stat(mp)
@@ -71,6 +72,7 @@ def file_digest(path: Path) -> str:
     try:
         return os.getxattr(path, DIGEST_XATTR).decode()
     except OSError:
+        import hashlib
         h = hashlib.sha256()
         with open(path, "rb") as f:
             while chunk := f.read(1 << 20):
@@ -82,9 +84,11 @@ def fork(src: str, dst: str) -> int:
     """Metadata-only fork: DST gets SRC's manifest and, at once, every page (no bytes moved).
 
     Returns the number of pages that appeared. Both must be on the same pffs.
+    The daemon validates the manifest as it takes its name; only a refusal
+    is parsed here, to say why.
     """
     s, d = Path(src), Path(dst)
-    man = s / mf.MANIFEST_NAME
+    man = s / MANIFEST_NAME
     if not man.is_file():
         raise PffsError(f"{s}: not a session (no manifest.json)")
     if d.exists() or d.is_symlink():
@@ -94,11 +98,15 @@ def fork(src: str, dst: str) -> int:
         raise PffsError("fork needs SRC and DST on the same mounted pffs")
     data = man.read_bytes()
     try:
-        mf.parse(data)
-    except mf.ManifestError as e:
-        raise PffsError(f"{man}: {e}") from None
-    place_manifest(d, data)
-    return len(os.listdir(d / mf.PAGES_DIR))
+        place_manifest(d, data)
+    except PffsError:
+        from . import manifest as mf
+        try:
+            mf.parse(data)
+        except mf.ManifestError as e:
+            raise PffsError(f"{man}: {e}") from None
+        raise
+    return len(os.listdir(d / PAGES_DIR))
 
 
 def place_manifest(d: Path, data: bytes) -> None:
@@ -110,8 +118,8 @@ def place_manifest(d: Path, data: bytes) -> None:
     """
     d.mkdir()
     try:
-        (d / mf.PAGES_DIR).mkdir()
-        fd = os.open(d / mf.MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        (d / PAGES_DIR).mkdir()
+        fd = os.open(d / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
             while view:
@@ -119,21 +127,23 @@ def place_manifest(d: Path, data: bytes) -> None:
         finally:
             os.close(fd)
     except OSError as e:
+        import shutil
         shutil.rmtree(d, ignore_errors=True)
         raise PffsError(f"{d}: {e.strerror}") from None
 
 
 def seal(session: str) -> tuple[int, int]:
     """Rewrite SESSION/manifest.json from its current page files; returns (pages, changed)."""
+    from . import manifest as mf
     s = Path(session)
-    man = s / mf.MANIFEST_NAME
+    man = s / MANIFEST_NAME
     try:
         m = mf.parse(man.read_bytes())
     except FileNotFoundError:
         raise PffsError(f"{s}: not a session (no manifest.json)") from None
     except mf.ManifestError as e:
         raise PffsError(f"{man}: {e}") from None
-    pdir = s / mf.PAGES_DIR
+    pdir = s / PAGES_DIR
     found = {}
     if pdir.is_dir():
         for ent in os.scandir(pdir):

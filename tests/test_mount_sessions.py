@@ -134,6 +134,19 @@ def test_pffs_fork_and_seal(mnt, bf16_pages, tmp_path):
     assert r.returncode != 0 and "000002" in r.stderr
 
 
+def test_pffs_fork_of_a_refused_manifest_says_why(mnt):
+    # Only a file that takes the name is validated: a symlink named
+    # manifest.json may point at anything, and the fork's copy is refused.
+    mnt.allow("refused manifest")
+    (mnt / "x").mkdir()
+    (mnt / "x" / "notes.txt").write_text("not json\n")
+    os.symlink("notes.txt", mnt / "x" / "manifest.json")
+    r = pffs("fork", mnt / "x", mnt / "y", check=False)
+    assert r.returncode == 1
+    assert f"{mnt / 'x' / 'manifest.json'}: manifest: not valid JSON" in r.stderr
+    assert not (mnt / "y").exists()
+
+
 def test_unmount_remount_keeps_everything(mount_factory, bf16_pages, tmp_path):
     from sessions import tree_digest
     m = mount_factory()
