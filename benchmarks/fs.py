@@ -13,7 +13,10 @@
 3. Forks: `cp -r`, `pffs fork`, and the metadata-only recipe.
 4. `ls -l` of a 10,000-page session (and of 10,000 files of (c)), and the
    two quick forks again at that size, to show how they grow.
-Prints seconds, MB/s, stored bytes, the daemon's CPU time and peak RSS, and each ratio.
+Each is measured in --rounds rounds (3 by default; every write round into a
+new store), taking turns with its baselines; each figure is printed as the
+median, then every round's. Prints seconds, MB/s, stored bytes, the
+daemon's CPU time and peak RSS, and each ratio (per round, then the median).
 Needs root (FUSE, drop_caches).
 """
 
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,27 +86,33 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def quick_forks(m, name: str, n: int) -> tuple[float, float, float]:
+def quick_forks(m, name: str, n: int, tag: str = "") -> tuple[float, float, float]:
     """Seconds for `pffs fork` (the command, then the same work in this process)
     and the metadata-only recipe, each forking session *name* of *n* pages."""
     src = m / name
-    t_cmd = timed(lambda: sh(sys.executable, "-m", "pffs.cli", "fork", str(src), str(m / f"{name}-fork")))
+    t_cmd = timed(lambda: sh(sys.executable, "-m", "pffs.cli", "fork", str(src), str(m / f"{name}-fork{tag}")))
     t_inproc = timed(lambda: __import__("pffs.tools", fromlist=["fork"]).fork(
-        str(src), str(m / f"{name}-fork2")))
+        str(src), str(m / f"{name}-fork2{tag}")))
 
     def meta():
-        (m / f"{name}-meta" / "pages").mkdir(parents=True)
-        shutil.copyfile(src / "manifest.json", m / f"{name}-meta" / "manifest.json")
+        (m / f"{name}-meta{tag}" / "pages").mkdir(parents=True)
+        shutil.copyfile(src / "manifest.json", m / f"{name}-meta{tag}" / "manifest.json")
     t_meta = timed(meta)
     for f in ("fork", "fork2", "meta"):
-        assert len(os.listdir(m / f"{name}-{f}" / "pages")) == n
+        assert len(os.listdir(m / f"{name}-{f}{tag}" / "pages")) == n
     return t_cmd, t_inproc, t_meta
 
 
-def print_quick_forks(t_cmd: float, t_inproc: float, t_meta: float) -> None:
-    print(f"{'pffs fork (command, incl. startup)':34} {t_cmd:8.3f}")
-    print(f"{'pffs fork (the work itself)':34} {t_inproc:8.3f}")
-    print(f"{'mkdir pages + cp manifest.json':34} {t_meta:8.3f}")
+def print_quick_forks(runs: list[tuple[float, float, float]]) -> None:
+    """Median and every run of each of quick_forks' three figures."""
+    for label, col in (("pffs fork (command, incl. startup)", 0), ("pffs fork (the work itself)", 1),
+                       ("mkdir pages + cp manifest.json", 2)):
+        xs = [r[col] for r in runs]
+        print(f"{label:34} {statistics.median(xs):8.3f}   ({each(xs, 3)})")
+
+
+def each(xs, digits: int = 2) -> str:
+    return " ".join(f"{x:.{digits}f}" for x in xs)
 
 
 class Floor:
@@ -131,10 +141,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="session size in MiB")
     ap.add_argument("--ls-pages", type=int, default=10_000)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of each measurement (medians printed, then every round)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)")
     args = ap.parse_args()
+    rounds = range(args.rounds)
+    med = statistics.median
 
     work = Path(tempfile.mkdtemp(prefix="pffs-bench-", dir=args.dir))
+    mounts: list[Mount] = []
+    rss_max = 0
+
+    def new_mount(name: str) -> Mount:
+        (work / name).mkdir()
+        m = Mount(work / name, work / f"{name}-store")
+        orig_stop = m.stop
+
+        def stop_and_measure():
+            nonlocal rss_max
+            rss_max = max(rss_max, peak_rss(m.proc.pid))
+            return orig_stop()
+        m.stop = stop_and_measure
+        mounts.append(m)
+        return m.start()
+
     try:
         base = kv_pages("bf16")
         n = args.mib * (1 << 20) // len(base[0])
@@ -145,105 +175,113 @@ def main() -> int:
         size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
         mb = size / 1e6
         print(f"session: {n} pages of {len(base[0])} bytes, {size / 2**20:.0f} MiB; "
-              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start")
+              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start; "
+              f"{args.rounds} rounds of each figure (median, then every round)")
         drop_caches()
         sh("cat", *[str(p) for p in sorted((src / "pages").iterdir())[:1]])
 
-        # (a) plain copy into a local directory
-        plain = work / "plain"
-        t_plain = timed(lambda: (sh("cp", "-r", str(src), str(plain)), sh("sync")))
-        # (b) the same work by plain tools: hash and compress every file
-        zdir = work / "zstd"
-        zdir.mkdir()
-        files = sorted(str(p) for p in (src / "pages").iterdir()) + [str(src / "manifest.json")]
-        t_tools = timed(lambda: (
-            subprocess.run(["sha256sum", *files], check=True, stdout=subprocess.DEVNULL),
-            sh("zstd", "-1", "-q", "-T1", "--output-dir-flat", str(zdir), *files), sh("sync")))
-        zbytes = sum(p.stat().st_size for p in zdir.iterdir())
-
-        (work / "m").mkdir()
-        m = Mount(work / "m", work / "store")
-        rss_max = 0
-        orig_stop = m.stop
-
-        def stop_and_measure():
-            nonlocal rss_max
-            rss_max = max(rss_max, peak_rss(m.proc.pid))
-            return orig_stop()
-        m.stop = stop_and_measure
-        m.start()
-        try:
+        # Writes: in each round (a), (b) and pffs, each into new folders (pffs:
+        # a new store, so that nothing is deduplicated against an earlier round).
+        t_plain, t_tools, t_pffs, cpu_write = [], [], [], []
+        for r in rounds:
+            plain = work / f"plain{r}"
+            t_plain.append(timed(lambda: (sh("cp", "-r", str(src), str(plain)), sh("sync"))))
+            zdir = work / f"zstd{r}"
+            zdir.mkdir()
+            files = sorted(str(p) for p in (src / "pages").iterdir()) + [str(src / "manifest.json")]
+            t_tools.append(timed(lambda: (
+                subprocess.run(["sha256sum", *files], check=True, stdout=subprocess.DEVNULL),
+                sh("zstd", "-1", "-q", "-T1", "--output-dir-flat", str(zdir), *files), sh("sync"))))
+            zbytes = sum(p.stat().st_size for p in zdir.iterdir())
+            m = new_mount(f"m{r}")
             c0 = cpu_seconds(m.proc.pid)
-            t_pffs = timed(lambda: (sh("cp", "-r", str(src), str(m / "s")), sh("sync")))
+            t_pffs.append(timed(lambda: (sh("cp", "-r", str(src), str(m / "s")), sh("sync"))))
+            cpu_write.append(cpu_seconds(m.proc.pid) - c0)
             st = json.loads((m / ".pffs" / "stats.json").read_text())
-            cpu_write = cpu_seconds(m.proc.pid) - c0
-            print(f"\n{'write':34} {'seconds':>8} {'MB/s':>8} {'stored MiB':>11}")
-            print(f"{'pffs cp -r + sync':34} {t_pffs:8.2f} {mb / t_pffs:8.0f} {st['stored_bytes'] / 2**20:11.1f}")
-            print(f"{'(a) cp -r to local dir + sync':34} {t_plain:8.2f} {mb / t_plain:8.0f} {size / 2**20:11.1f}")
-            print(f"{'(b) sha256sum + zstd -1 + sync':34} {t_tools:8.2f} {mb / t_tools:8.0f} {zbytes / 2**20:11.1f}")
-            with Floor(work / "floor-w", 0, len(base[0])) as fl:
-                t_wfloor = timed(lambda: sh("cp", "-r", str(src), str(fl / "s")))
-            print(f"{'(c) cp -r to pyfuse3 doing nothing':34} {t_wfloor:8.2f} {mb / t_wfloor:8.0f} {0:11.1f}")
-            print(f"pffs write / (b): {t_tools / t_pffs:.2f}x   pffs write / (a): {t_plain / t_pffs:.2f}x   "
-                  f"compression {st['compression_ratio']:.3f} (zstd -1: {size / zbytes:.3f})")
-            print(f"daemon CPU for the write: {cpu_write:.2f} s ({cpu_write / n * 1e3:.2f} ms a page)")
+            if r:
+                m.stop()
+        m = mounts[0]
+        with Floor(work / "floor-w", 0, len(base[0])) as fl:
+            t_wfloor = [timed(lambda: sh("cp", "-r", str(src), str(fl / f"s{r}"))) for r in rounds]
+        print(f"\n{'write':34} {'seconds':>8} {'MB/s':>8} {'stored MiB':>11}   (every round, seconds)")
+        for label, ts, stored in (("pffs cp -r + sync", t_pffs, st["stored_bytes"]),
+                                  ("(a) cp -r to local dir + sync", t_plain, size),
+                                  ("(b) sha256sum + zstd -1 + sync", t_tools, zbytes),
+                                  ("(c) cp -r to pyfuse3 doing nothing", t_wfloor, 0)):
+            print(f"{label:34} {med(ts):8.2f} {mb / med(ts):8.0f} {stored / 2**20:11.1f}   ({each(ts)})")
+        vs_b = [b / p for b, p in zip(t_tools, t_pffs)]
+        vs_a = [a / p for a, p in zip(t_plain, t_pffs)]
+        print(f"pffs write / (b): {med(vs_b):.2f}x ({each(vs_b)})   pffs write / (a): {med(vs_a):.2f}x   "
+              f"compression {st['compression_ratio']:.3f} (zstd -1: {size / zbytes:.3f})")
+        print(f"daemon CPU for the write: {med(cpu_write):.2f} s ({med(cpu_write) / n * 1e3:.2f} ms a page;"
+              f" {each(cpu_write)})")
 
-            # Cold reads
-            m.stop()
-            m.start()
-            cold = drop_caches()
-            c0 = cpu_seconds(m.proc.pid)
-            t_read = timed(lambda: read_tree(m / "s"))
-            cpu_read = cpu_seconds(m.proc.pid) - c0
-            drop_caches()
-            t_read_plain = timed(lambda: read_tree(plain))
-            print(f"\n{'cold read' + ('' if cold else ' (caches NOT dropped)'):34} {'seconds':>8} {'MB/s':>8}")
-            print(f"{'pffs':34} {t_read:8.2f} {mb / t_read:8.0f}")
-            print(f"{'local directory':34} {t_read_plain:8.2f} {mb / t_read_plain:8.0f}")
-            with Floor(work / "floor", n, len(base[0])) as fl:
+        # Cold reads: in each round pffs (remounted), the local directory and
+        # (c), each after dropping the kernel's caches.
+        plain = work / "plain0"
+        t_read, t_read_plain, t_floor, cpu_read = [], [], [], []
+        cold = True
+        with Floor(work / "floor", n, len(base[0])) as fl:
+            for r in rounds:
+                m.stop()
+                m.start()
+                cold = drop_caches() and cold
+                c0 = cpu_seconds(m.proc.pid)
+                t_read.append(timed(lambda: read_tree(m / "s")))
+                cpu_read.append(cpu_seconds(m.proc.pid) - c0)
                 drop_caches()
-                t_floor = timed(lambda: read_tree(fl))
-            print(f"{'(c) pyfuse3 doing nothing, same files':34} {t_floor:8.2f} {mb / t_floor:8.0f}")
-            print(f"pffs cold read / local: {t_read_plain / t_read:.2f}x   (c) / local: "
-                  f"{t_read_plain / t_floor:.2f}x   pffs / (c): {t_floor / t_read:.2f}x")
-            print(f"daemon CPU for the cold read: {cpu_read:.2f} s ({cpu_read / n * 1e3:.2f} ms a page)")
+                t_read_plain.append(timed(lambda: read_tree(plain)))
+                drop_caches()
+                t_floor.append(timed(lambda: read_tree(fl)))
+        print(f"\n{'cold read' + ('' if cold else ' (caches NOT dropped)'):34} {'seconds':>8} {'MB/s':>8}"
+              "   (every round, seconds)")
+        for label, ts in (("pffs", t_read), ("local directory", t_read_plain),
+                          ("(c) pyfuse3 doing nothing, same files", t_floor)):
+            print(f"{label:34} {med(ts):8.2f} {mb / med(ts):8.0f}   ({each(ts)})")
+        vs_local = [pl / p for pl, p in zip(t_read_plain, t_read)]
+        floor_local = [pl / f for pl, f in zip(t_read_plain, t_floor)]
+        vs_floor = [f / p for f, p in zip(t_floor, t_read)]
+        print(f"pffs cold read / local: {med(vs_local):.2f}x ({each(vs_local)})   (c) / local: "
+              f"{med(floor_local):.2f}x ({each(floor_local)})   pffs / (c): {med(vs_floor):.2f}x")
+        print(f"daemon CPU for the cold read: {med(cpu_read):.2f} s ({med(cpu_read) / n * 1e3:.2f} ms a page;"
+              f" {each(cpu_read)})")
 
-            # Forks
-            before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
-            t_cp = timed(lambda: sh("cp", "-r", str(m / "s"), str(m / "fork-cp")))
-            t_fork, t_fork_inproc, t_meta = quick_forks(m, "s", n)
-            after = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
-            print(f"\n{'fork of ' + str(n) + ' pages':34} {'seconds':>8}")
-            print(f"{'cp -r':34} {t_cp:8.3f}")
-            print_quick_forks(t_fork, t_fork_inproc, t_meta)
-            print(f"stored bytes added by 4 forks: {after - before}")
+        # Forks
+        before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
+        t_cp = timed(lambda: sh("cp", "-r", str(m / "s"), str(m / "fork-cp")))
+        forks = [quick_forks(m, "s", n, f"-{r}") for r in rounds]
+        after = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
+        print(f"\n{'fork of ' + str(n) + ' pages':34} {'seconds':>8}")
+        print(f"{'cp -r':34} {t_cp:8.3f}")
+        print_quick_forks(forks)
+        print(f"stored bytes added by {1 + 3 * args.rounds} forks: {after - before}")
 
-            # ls -l of a big session (one page digest listed many times)
-            big = make_manifest(varied_pages(base, 1) * args.ls_pages)  # page 0 of the session
-            (m / "big" / "pages").mkdir(parents=True)
-            (m / "big" / "manifest.json").write_bytes(big.to_json())
-            assert len(os.listdir(m / "big" / "pages")) == args.ls_pages
-            m.stop()
-            m.start()
-            t_ls = timed(lambda: subprocess.run(["ls", "-l", str(m / "big" / "pages")], check=True,
-                                                stdout=subprocess.DEVNULL))
-            t_ls2 = timed(lambda: subprocess.run(["ls", "-l", str(m / "big" / "pages")], check=True,
-                                                 stdout=subprocess.DEVNULL))
-            with Floor(work / "floor-ls", args.ls_pages, len(base[0])) as fl:
-                t_ls_floor = timed(lambda: subprocess.run(["ls", "-l", str(fl)], check=True,
-                                                          stdout=subprocess.DEVNULL))
-            print(f"\nls -l of {args.ls_pages} pages: {t_ls:.3f} s cold, {t_ls2:.3f} s warm; "
-                  f"(c) pyfuse3 doing nothing: {t_ls_floor:.3f} s")
-            # How the forks grow with the session: the same three at 10,000 pages.
-            print(f"\n{'fork of ' + str(args.ls_pages) + ' pages':34} {'seconds':>8}")
-            print_quick_forks(*quick_forks(m, "big", args.ls_pages))
-            m.stop()
-            print(f"daemon peak RSS (largest over the mounts of this run): {rss_max / 2**20:.0f} MiB")
-        finally:
+        # ls -l of a big session (one page digest listed many times)
+        big = make_manifest(varied_pages(base, 1) * args.ls_pages)  # page 0 of the session
+        (m / "big" / "pages").mkdir(parents=True)
+        (m / "big" / "manifest.json").write_bytes(big.to_json())
+        assert len(os.listdir(m / "big" / "pages")) == args.ls_pages
+        m.stop()
+        m.start()
+        t_ls = timed(lambda: subprocess.run(["ls", "-l", str(m / "big" / "pages")], check=True,
+                                            stdout=subprocess.DEVNULL))
+        t_ls2 = timed(lambda: subprocess.run(["ls", "-l", str(m / "big" / "pages")], check=True,
+                                             stdout=subprocess.DEVNULL))
+        with Floor(work / "floor-ls", args.ls_pages, len(base[0])) as fl:
+            t_ls_floor = timed(lambda: subprocess.run(["ls", "-l", str(fl)], check=True,
+                                                      stdout=subprocess.DEVNULL))
+        print(f"\nls -l of {args.ls_pages} pages: {t_ls:.3f} s cold, {t_ls2:.3f} s warm; "
+              f"(c) pyfuse3 doing nothing: {t_ls_floor:.3f} s")
+        # How the forks grow with the session: the same three at 10,000 pages.
+        print(f"\n{'fork of ' + str(args.ls_pages) + ' pages':34} {'seconds':>8}")
+        print_quick_forks([quick_forks(m, "big", args.ls_pages, f"-{r}") for r in rounds])
+        m.stop()
+        print(f"daemon peak RSS (largest over the mounts of this run): {rss_max / 2**20:.0f} MiB")
+    finally:
+        for m in mounts:
             if m.proc is not None:
                 m.stop()
             m.cleanup()
-    finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
