@@ -78,6 +78,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(stolen, all) CPU ticks of this machine so far: a virtual machine's host
+    may run other guests on its cores, which slows everything measured here."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return v[7] if len(v) > 7 else 0, sum(v[:8])
+
+
+def stolen_since(t0: tuple[int, int]) -> str:
+    s1, a1 = cpu_ticks()
+    return f"{100 * (s1 - t0[0]) / max(1, a1 - t0[1]):.0f}%"
+
+
 def peak_rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -183,6 +196,7 @@ def main() -> int:
         # Writes: in each round (a), (b) and pffs, each into new folders (pffs:
         # a new store, so that nothing is deduplicated against an earlier round).
         t_plain, t_tools, t_pffs, cpu_write = [], [], [], []
+        ticks = cpu_ticks()
         for r in rounds:
             plain = work / f"plain{r}"
             t_plain.append(timed(lambda: (sh("cp", "-r", str(src), str(plain)), sh("sync"))))
@@ -214,13 +228,14 @@ def main() -> int:
         print(f"pffs write / (b): {med(vs_b):.2f}x ({each(vs_b)})   pffs write / (a): {med(vs_a):.2f}x   "
               f"compression {st['compression_ratio']:.3f} (zstd -1: {size / zbytes:.3f})")
         print(f"daemon CPU for the write: {med(cpu_write):.2f} s ({med(cpu_write) / n * 1e3:.2f} ms a page;"
-              f" {each(cpu_write)})")
+              f" {each(cpu_write)}); CPU time stolen by the host meanwhile: {stolen_since(ticks)}")
 
         # Cold reads: in each round pffs (remounted), the local directory and
         # (c), each after dropping the kernel's caches.
         plain = work / "plain0"
         t_read, t_read_plain, t_floor, cpu_read = [], [], [], []
         cold = True
+        ticks = cpu_ticks()
         with Floor(work / "floor", n, len(base[0])) as fl:
             for r in rounds:
                 m.stop()
@@ -244,7 +259,7 @@ def main() -> int:
         print(f"pffs cold read / local: {med(vs_local):.2f}x ({each(vs_local)})   (c) / local: "
               f"{med(floor_local):.2f}x ({each(floor_local)})   pffs / (c): {med(vs_floor):.2f}x")
         print(f"daemon CPU for the cold read: {med(cpu_read):.2f} s ({med(cpu_read) / n * 1e3:.2f} ms a page;"
-              f" {each(cpu_read)})")
+              f" {each(cpu_read)}); CPU time stolen by the host meanwhile: {stolen_since(ticks)}")
 
         # Forks
         before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
