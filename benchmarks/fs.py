@@ -124,6 +124,12 @@ def print_quick_forks(runs: list[tuple[float, float, float]]) -> None:
         print(f"{label:34} {statistics.median(xs):8.3f}   ({each(xs, 3)})")
 
 
+def print_cpu(what: str, cpu: list[float], n: int, ticks: tuple[int, int]) -> None:
+    m = statistics.median(cpu)
+    print(f"daemon CPU for {what}: {m:.2f} s ({m / n * 1e3:.2f} ms a page; {each(cpu)});"
+          f" CPU time stolen by the host meanwhile: {stolen_since(ticks)}")
+
+
 def each(xs, digits: int = 2) -> str:
     return " ".join(f"{x:.{digits}f}" for x in xs)
 
@@ -227,8 +233,7 @@ def main() -> int:
         vs_a = [a / p for a, p in zip(t_plain, t_pffs)]
         print(f"pffs write / (b): {med(vs_b):.2f}x ({each(vs_b)})   pffs write / (a): {med(vs_a):.2f}x   "
               f"compression {st['compression_ratio']:.3f} (zstd -1: {size / zbytes:.3f})")
-        print(f"daemon CPU for the write: {med(cpu_write):.2f} s ({med(cpu_write) / n * 1e3:.2f} ms a page;"
-              f" {each(cpu_write)}); CPU time stolen by the host meanwhile: {stolen_since(ticks)}")
+        print_cpu("the write", cpu_write, n, ticks)
 
         # Cold reads: in each round pffs (remounted), the local directory and
         # (c), each after dropping the kernel's caches.
@@ -258,8 +263,7 @@ def main() -> int:
         vs_floor = [f / p for f, p in zip(t_floor, t_read)]
         print(f"pffs cold read / local: {med(vs_local):.2f}x ({each(vs_local)})   (c) / local: "
               f"{med(floor_local):.2f}x ({each(floor_local)})   pffs / (c): {med(vs_floor):.2f}x")
-        print(f"daemon CPU for the cold read: {med(cpu_read):.2f} s ({med(cpu_read) / n * 1e3:.2f} ms a page;"
-              f" {each(cpu_read)}); CPU time stolen by the host meanwhile: {stolen_since(ticks)}")
+        print_cpu("the cold read", cpu_read, n, ticks)
 
         # Forks
         before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
