@@ -10,7 +10,8 @@
    of the plain directory and (c) the same files served by a pyfuse3
    filesystem that does no work at all (benchmarks/fuse_floor.py): the round
    trips every pyfuse3 filesystem pays per file.
-3. Forks: `cp -r`, `pffs fork`, and the metadata-only recipe.
+3. Forks: `cp -r`, `pffs fork`, and the metadata-only recipe, beside (d)
+   starting the interpreter and (e) the recipe between two local folders.
 4. `ls -l` of a 10,000-page session (and of 10,000 files of (c)), and the
    two quick forks again at that size, to show how they grow.
 Each is measured in --rounds rounds (3 by default; every write round into a
@@ -99,29 +100,35 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def quick_forks(m, name: str, n: int, tag: str = "") -> tuple[float, float, float]:
+def quick_forks(m, name: str, n: int, local: Path, tag: str = "") -> tuple[float, ...]:
     """Seconds for `pffs fork` (the command, then the same work in this process)
-    and the metadata-only recipe, each forking session *name* of *n* pages."""
+    and the metadata-only recipe, each forking session *name* of *n* pages;
+    then two baselines: starting the interpreter that runs the command, and
+    the recipe between two folders of *local*, a local directory."""
     src = m / name
     t_cmd = timed(lambda: sh(sys.executable, "-m", "pffs.cli", "fork", str(src), str(m / f"{name}-fork{tag}")))
     t_inproc = timed(lambda: __import__("pffs.tools", fromlist=["fork"]).fork(
         str(src), str(m / f"{name}-fork2{tag}")))
 
-    def meta():
-        (m / f"{name}-meta{tag}" / "pages").mkdir(parents=True)
-        shutil.copyfile(src / "manifest.json", m / f"{name}-meta{tag}" / "manifest.json")
-    t_meta = timed(meta)
+    def recipe(a: Path, b: Path):
+        (b / "pages").mkdir(parents=True)
+        shutil.copyfile(a / "manifest.json", b / "manifest.json")
+    t_meta = timed(lambda: recipe(src, m / f"{name}-meta{tag}"))
     for f in ("fork", "fork2", "meta"):
         assert len(os.listdir(m / f"{name}-{f}{tag}" / "pages")) == n
-    return t_cmd, t_inproc, t_meta
+    t_python = timed(lambda: sh(sys.executable, "-c", "pass"))
+    recipe(src, local / f"{name}-src{tag}")
+    t_local = timed(lambda: recipe(local / f"{name}-src{tag}", local / f"{name}-meta{tag}"))
+    return t_cmd, t_inproc, t_meta, t_python, t_local
 
 
-def print_quick_forks(runs: list[tuple[float, float, float]]) -> None:
-    """Median and every run of each of quick_forks' three figures."""
+def print_quick_forks(runs: list[tuple[float, ...]]) -> None:
+    """Median and every run of each of quick_forks' figures."""
     for label, col in (("pffs fork (command, incl. startup)", 0), ("pffs fork (the work itself)", 1),
-                       ("mkdir pages + cp manifest.json", 2)):
+                       ("mkdir pages + cp manifest.json", 2), ("(d) python -c pass", 3),
+                       ("(e) mkdir + cp in a local dir", 4)):
         xs = [r[col] for r in runs]
-        print(f"{label:34} {statistics.median(xs):8.3f}   ({each(xs, 3)})")
+        print(f"{label:34} {statistics.median(xs):8.4f}   ({each(xs, 4)})")
 
 
 def print_cpu(what: str, cpu: list[float], n: int, ticks: tuple[int, int]) -> None:
@@ -268,7 +275,7 @@ def main() -> int:
         # Forks
         before = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
         t_cp = timed(lambda: sh("cp", "-r", str(m / "s"), str(m / "fork-cp")))
-        forks = [quick_forks(m, "s", n, f"-{r}") for r in rounds]
+        forks = [quick_forks(m, "s", n, work / "local-forks", f"-{r}") for r in rounds]
         after = json.loads((m / ".pffs" / "stats.json").read_text())["stored_bytes"]
         print(f"\n{'fork of ' + str(n) + ' pages':34} {'seconds':>8}")
         print(f"{'cp -r':34} {t_cp:8.3f}")
@@ -293,7 +300,8 @@ def main() -> int:
               f"(c) pyfuse3 doing nothing: {t_ls_floor:.3f} s")
         # How the forks grow with the session: the same three at 10,000 pages.
         print(f"\n{'fork of ' + str(args.ls_pages) + ' pages':34} {'seconds':>8}")
-        print_quick_forks([quick_forks(m, "big", args.ls_pages, f"-{r}") for r in rounds])
+        print_quick_forks([quick_forks(m, "big", args.ls_pages, work / "local-forks", f"-{r}")
+                           for r in rounds])
         m.stop()
         print(f"daemon peak RSS (largest over the mounts of this run): {rss_max / 2**20:.0f} MiB")
     finally:
