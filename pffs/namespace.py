@@ -451,7 +451,7 @@ def make_inode(conn: sqlite3.Connection, parent: int, name: bytes, mode: int, ui
     ino = cur.lastrowid
     conn.execute("INSERT INTO dentries (parent, name, inode) VALUES (?,?,?)", (parent, name, ino))
     touch_dir(conn, parent, t, 1 if is_dir else 0)
-    return get_inode(conn, ino)
+    return Inode(ino, mode, uid, gid, size, t, t, t, 2 if is_dir else 1, rdev, digest, target)
 
 
 def delete_inode(conn: sqlite3.Connection, ino: int) -> None:
@@ -603,19 +603,25 @@ class BlobRow:
 
 def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
                 blocks: list[str], new_blobs: list[BlobRow], mtime_ns: int | None,
-                ctime_ns: int | None = None) -> None:
-    """Point a file at new content: its blocks' blobs (already stored and synced)."""
+                ctime_ns: int | None = None, *, was_empty: bool = False) -> None:
+    """Point a file at new content: its blocks' blobs (already stored and synced).
+
+    *was_empty*: the caller knows the file had no content (no blocks, so no
+    manifest either), as after a create; two statements are then saved.
+    """
     t = now_ns()
     for b in new_blobs:
         conn.execute("INSERT OR IGNORE INTO blobs (digest, raw_size, stored_size, codec, created_ns)"
                      " VALUES (?,?,?,?,?)", (b.digest, b.raw_size, b.stored_size, b.codec, t))
-    conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
+    if not was_empty:
+        conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
     conn.executemany("INSERT INTO blocks (inode, blockno, blob) VALUES (?,?,?)",
                      [(ino, i, d) for i, d in enumerate(blocks)])
     conn.execute("UPDATE inodes SET size=?, digest=?, mtime_ns=COALESCE(?, mtime_ns), ctime_ns=? WHERE id=?",
                  (size, digest, mtime_ns, ctime_ns or t, ino))
-    # The content changed: whatever it listed as a manifest no longer holds.
-    forget_manifest(conn, ino)
+    if not was_empty:
+        # The content changed: whatever it listed as a manifest no longer holds.
+        forget_manifest(conn, ino)
 
 
 def blocks_of(conn: sqlite3.Connection, ino: int) -> list[str]:

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -144,6 +145,18 @@ class StoreDir:
         return None
 
 
+class _Closer:
+    def __init__(self, fds: tuple[int, ...]):
+        self.fds = fds
+
+    def __del__(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class GcLock:
     """Orders gc's sweep against writers that find a blob stored and name it.
 
@@ -154,29 +167,42 @@ class GcLock:
     ``gc.intent`` gives gc priority: writers pass through it shared before
     taking the lock, so a stream of overlapping writers cannot starve gc.
 
-    Each section opens its own descriptors (flock belongs to an open file
-    description, so threads of one process must not share one).
+    flock belongs to an open file description, so threads of one process
+    must not share one: each thread taking the lock shared keeps its own
+    pair of descriptors (a writer's commit takes it once per file), and
+    each exclusive section opens its own.  The two files are never removed.
     """
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+        self._mine = threading.local()
 
     def _open(self, name: str) -> int:
         return os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
+    def _thread_fds(self) -> tuple[int, int]:
+        fds = getattr(self._mine, "fds", None)
+        if fds is None:
+            fds = self._mine.fds = (self._open(GC_INTENT_NAME), self._open(GC_LOCK_NAME))
+            # Closed with the thread's other locals when the thread ends.
+            self._mine.closer = _Closer(fds)
+        return fds
+
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
-        intent = self._open(GC_INTENT_NAME)
-        try:
+        intent, fd = self._thread_fds()
+        depth = getattr(self._mine, "depth", 0)
+        if depth == 0:
             fcntl.flock(intent, fcntl.LOCK_SH)
-        finally:
-            os.close(intent)
-        fd = self._open(GC_LOCK_NAME)
-        try:
+            fcntl.flock(intent, fcntl.LOCK_UN)
             fcntl.flock(fd, fcntl.LOCK_SH)
+        self._mine.depth = depth + 1
+        try:
             yield
         finally:
-            os.close(fd)
+            self._mine.depth = depth
+            if depth == 0:
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -100,6 +100,9 @@ class InodeState:
     size: int = 0                       # committed size (valid while blocks is not None)
     writer_uid: int = 0
     writer_gid: int = 0
+    # Created under a name other than manifest.json and given no other name
+    # since (rename and link clear it): a commit need not look up its names.
+    plain: bool = False
 
 
 @dataclass
@@ -386,6 +389,8 @@ class Operations(pyfuse3.Operations):
         if st.staging is None:
             # New and empty: its first write needs nothing from the namespace.
             st.staging = Staging(self.budget, str(self.content.staging_dir))
+            st.plain = name != MANIFEST
+            st.blocks, st.size = [], 0  # what is committed: nothing
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), attr
 
     @handler
@@ -431,6 +436,9 @@ class Operations(pyfuse3.Operations):
         def fn(conn):
             ino, replaced, deleted = ns.rename(conn, parent_inode_old, name_old, parent_inode_new,
                                                name_new, flags, self._in_use)
+            moved = self.states.get(ino)
+            if moved is not None:
+                moved.plain = False     # before the commit: no later flush skips the check
             created = []
             if checked is not None:
                 created = self._take_manifest_name(conn, ino, checked, parent_inode_new, uid, gid)
@@ -449,6 +457,9 @@ class Operations(pyfuse3.Operations):
         if new_name == MANIFEST:
             checked = await self._validate_existing(inode, new_parent_inode, "link")
         uid, gid = ctx.uid, ctx.gid
+        st = self.states.get(inode)
+        if st is not None:
+            st.plain = False
 
         def fn(conn):
             node = ns.link(conn, inode, new_parent_inode, new_name)
@@ -841,13 +852,14 @@ class Operations(pyfuse3.Operations):
         stg = st.staging
         if stg is None or not stg.dirty:
             return
-        names = ns.names_of(self.db.ro, ino)
-        is_manifest = check_manifest and any(n == MANIFEST for _, n in names)
+        is_manifest = check_manifest and not st.plain and any(
+            n == MANIFEST for _, n in ns.names_of(self.db.ro, ino))
         uid, gid = st.writer_uid, st.writer_gid
+        was_empty = st.blocks == []     # known committed content: none
 
         def fn(conn, stored):
             ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
-                           stg.mtime_ns)
+                           stg.mtime_ns, was_empty=was_empty)
             created = []
             if stored.manifest is not None:
                 pages = stored.manifest.pages

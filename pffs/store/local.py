@@ -55,7 +55,7 @@ class PutResult:
     existed: bool
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -121,7 +121,9 @@ class LocalBlobStore:
         """
         if digest is None:
             digest = digest_of(data)
-        path = self.path(digest)
+        h = digest_hex(digest)
+        folder = f"{self._blob_root_s}/{h[:2]}"
+        path = f"{folder}/{h}"       # (str, not Path: a put is on every close's path)
         raw_size = memoryview(data).nbytes
         size = self._reuse(path, raw_size)
         if size is not None:
@@ -135,7 +137,7 @@ class LocalBlobStore:
         codec_name = codec_mod.read_header(frame).codec.name
         if self.reserve is not None:
             self.reserve.before_put(len(frame))
-        tmp = path.parent / f"{_TMP_PREFIX}{path.name[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = f"{folder}/{_TMP_PREFIX}{h[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -156,12 +158,12 @@ class LocalBlobStore:
                 raise StoreFull(f"no space left for blob {digest}") from e
             raise
         if batch is None:
-            _fsync_dir(path.parent)
+            _fsync_dir(folder)
         else:
             batch._add(path)
         return PutResult(digest, raw_size, len(frame), codec_name, False)
 
-    def _reuse(self, path: Path, raw_size: int) -> int | None:
+    def _reuse(self, path: str, raw_size: int) -> int | None:
         """Stored size of an existing blob fit for a dedup hit, else None (write it anew).
 
         A hit refreshes the blob's mtime, so gc's grace period counts from the
@@ -264,10 +266,10 @@ class PutBatch:
     """
 
     def __init__(self):
-        self._files: set[Path] = set()
+        self._files: set[str] = set()
         self._lock = threading.Lock()
 
-    def _add(self, path: Path) -> None:
+    def _add(self, path: str) -> None:
         with self._lock:
             self._files.add(path)
 
@@ -297,7 +299,7 @@ class PutBatch:
                 os.close(fd)
             return True
 
-        files = sorted(files)
+        files = sorted(map(Path, files))
         if len(files) > SYNCFS_MIN and _syncfs is not None:
             # One syncfs() makes every file and directory of the store's
             # filesystem durable in a single journal commit, where one fsync
