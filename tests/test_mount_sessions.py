@@ -55,6 +55,29 @@ def test_bad_manifests_refused_old_kept(mnt, how):
     assert "s/manifest.json" in log and "dtype: unknown dtype" in log
 
 
+@pytest.mark.parametrize("how", ["rename", "link"])
+def test_a_file_given_the_manifest_name_while_open_is_checked_at_close(mnt, how):
+    """A file created under another name is checked at close once it is named manifest.json."""
+    mnt.allow("refused manifest")
+    s = mnt / "s"
+    s.mkdir()
+    good = ex.good_bytes()
+    fd = os.open(s / "draft", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, good)
+        if how == "rename":
+            os.rename(s / "draft", s / "manifest.json")
+        else:
+            os.link(s / "draft", s / "manifest.json")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"{not json", 0)
+    finally:
+        with pytest.raises(OSError) as ei:
+            os.close(fd)
+    assert ei.value.errno == errno.EINVAL
+    assert (s / "manifest.json").read_bytes() == good
+
+
 def test_new_bad_manifest_by_cp_fails(mnt, tmp_path):
     mnt.allow("refused manifest")
     bad = tmp_path / "manifest.json"
