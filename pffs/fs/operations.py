@@ -30,6 +30,7 @@ from .. import manifest as mf
 from .. import namespace as ns
 from ..errors import IntegrityError, StoreFull, StoreUnavailable
 from ..namespace import BLOCK_SIZE, FsError
+from ..store.local import LocalBlobStore
 from .blobcache import BlobCache
 from .content import ContentStore
 from .db import Database, WorkerPool
@@ -44,7 +45,7 @@ BLKSIZE = 1 << 20
 DIGEST_XATTR = b"user.pffs.digest"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
-PREFETCH_PAGES = 8
+PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
 PREFETCH_WINDOW = 64   # page files whose content one query reads (see PageWindow)
 LISTINGS_KEPT = 8           # directories whose listing order is remembered (see Listing)
 LISTING_MAX = 1 << 16       # entries remembered of one listing (about 100 bytes each)
@@ -174,8 +175,13 @@ class Operations(pyfuse3.Operations):
         # spares a query per open when deciding what to prefetch.
         self._where: dict[int, tuple[int, bytes]] = {}
         # Threads that fetch and decode blobs ahead of readers: a queue and one
-        # callback a blob, cheaper than a trio task and trio.to_thread each.
+        # callback a job, cheaper than a trio task and trio.to_thread each.
         self.prefetcher = WorkerPool(max(1, (os.cpu_count() or 2)), "pffs-prefetch")
+        # A local blob is read and decoded in well under a millisecond, so a
+        # refill's blobs go as one job with one answer: on two cores, waking
+        # the event loop once a blob cost a fifth of a cold read's CPU time.
+        # A remote blob waits on the network: one job each, answered at once.
+        self._prefetch_in_batches = isinstance(content.blobs, LocalBlobStore)
         self.virtual = virtual or VirtualTree(self)
         self.nursery: trio.Nursery | None = None
         self._notify_send, self._notify_recv = trio.open_memory_channel(10000)
@@ -609,25 +615,38 @@ class Operations(pyfuse3.Operations):
     def _prefetch_run(self, marks: dict[int, int], parent: int, at: int, content) -> None:
         """Prefetch the files at positions at+1 .. at+PREFETCH_PAGES of *parent*
         (``content(j)``: their blobs and sizes, None past the end), from where
-        the previous call for this directory stopped (``marks``)."""
+        the previous call for this directory stopped (``marks``), once no more
+        than half of them are on their way: a refill is a batch of blobs."""
         budget = self.cache.limit // 4
         mark = marks.get(parent, -1)
         if mark > at + PREFETCH_PAGES or mark < at:
             mark = at
+        elif mark - at > PREFETCH_PAGES // 2:
+            return  # enough on its way: refill once half of it is read
         if len(marks) > 1024:
             marks.clear()
+        batch: list[str] = []
         for j in range(mark + 1, at + PREFETCH_PAGES + 1):
             blobs = content(j)
             if blobs is None:
-                return
+                break
             marks[parent] = j
-            budget = self._prefetch_blobs(*blobs, budget)
+            budget = self._prefetch_blobs(*blobs, budget, batch)
             if budget is None:
-                return
+                break
+        if not batch:
+            return
+        if self._prefetch_in_batches:
+            self.prefetcher.submit(functools.partial(self._prefetched_all, batch),
+                                   self._fetch_all, batch)
+        else:
+            for d in batch:
+                self.prefetcher.submit(functools.partial(self._prefetched_one, d),
+                                       self.content.blobs.get, d)
 
-    def _prefetch_blobs(self, digests, sizes, budget: int) -> int | None:
-        """Start fetching the blobs neither cached nor on their way; the budget
-        left, or None once it is spent."""
+    def _prefetch_blobs(self, digests, sizes, budget: int, batch: list[str]) -> int | None:
+        """Add to *batch* the blobs neither cached nor on their way (marked as
+        on their way); the budget left, or None once it is spent."""
         for d, size in zip(digests, sizes):
             if d in self._loading or self.cache.get(d, count=False) is not None:
                 continue
@@ -636,9 +655,18 @@ class Operations(pyfuse3.Operations):
                 return None
             budget -= size
             self._loading[d] = trio.Event()
-            self.prefetcher.submit(functools.partial(self._prefetched_one, d),
-                                   self.content.blobs.get, d)
+            batch.append(d)
         return budget
+
+    def _fetch_all(self, digests: list[str]) -> list[tuple[str, outcome.Outcome]]:
+        """In a prefetch thread: each blob of a refill, or why it could not be had."""
+        return [(d, outcome.capture(self.content.blobs.get, d)) for d in digests]
+
+    def _prefetched_all(self, digests: list[str], fetched: outcome.Outcome) -> None:
+        """On the trio thread: the blobs of a refill (see :meth:`_prefetched_one`)."""
+        each = fetched.value if isinstance(fetched, outcome.Value) else [(d, fetched) for d in digests]
+        for d, one in each:
+            self._prefetched_one(d, one)
 
     def _file_window(self, parent: int, listing: Listing, first: int, end: int) -> FileWindow:
         """Committed content of the files at listing positions [first, end) (and more)."""
