@@ -209,13 +209,13 @@ def main() -> int:
         # Writes: in each round (a), (b) and pffs, each into new folders (pffs:
         # a new store, so that nothing is deduplicated against an earlier round).
         t_plain, t_tools, t_pffs, cpu_write = [], [], [], []
+        files = sorted(str(p) for p in (src / "pages").iterdir()) + [str(src / "manifest.json")]
         ticks = cpu_ticks()
         for r in rounds:
             plain = work / f"plain{r}"
             t_plain.append(timed(lambda: (sh("cp", "-r", str(src), str(plain)), sh("sync"))))
             zdir = work / f"zstd{r}"
             zdir.mkdir()
-            files = sorted(str(p) for p in (src / "pages").iterdir()) + [str(src / "manifest.json")]
             t_tools.append(timed(lambda: (
                 subprocess.run(["sha256sum", *files], check=True, stdout=subprocess.DEVNULL),
                 sh("zstd", "-1", "-q", "-T1", "--output-dir-flat", str(zdir), *files), sh("sync"))))

@@ -91,8 +91,13 @@ class LocalBlobStore:
             _fsync_dir(self.root)
 
     def path(self, digest: Digest) -> Path:
+        return Path(self._where(digest)[1])
+
+    def _where(self, digest: Digest) -> tuple[str, str]:
+        """(fan-out folder, blob file) of *digest*, as strings: a put is on every close's path."""
         h = digest_hex(digest)
-        return Path(f"{self._blob_root_s}/{h[:2]}/{h}")
+        folder = f"{self._blob_root_s}/{h[:2]}"
+        return folder, f"{folder}/{h}"
 
     def contains(self, digest: Digest) -> bool:
         return os.path.exists(self.path(digest))
@@ -121,9 +126,7 @@ class LocalBlobStore:
         """
         if digest is None:
             digest = digest_of(data)
-        h = digest_hex(digest)
-        folder = f"{self._blob_root_s}/{h[:2]}"
-        path = f"{folder}/{h}"       # (str, not Path: a put is on every close's path)
+        folder, path = self._where(digest)
         raw_size = memoryview(data).nbytes
         size = self._reuse(path, raw_size)
         if size is not None:
@@ -137,7 +140,7 @@ class LocalBlobStore:
         codec_name = codec_mod.read_header(frame).codec.name
         if self.reserve is not None:
             self.reserve.before_put(len(frame))
-        tmp = f"{folder}/{_TMP_PREFIX}{h[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = f"{folder}/{_TMP_PREFIX}{digest_hex(digest)[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
