@@ -686,45 +686,50 @@ def names_of(conn: sqlite3.Connection, ino: int) -> list[tuple[int, bytes]]:
     return list(conn.execute("SELECT parent, name FROM dentries WHERE inode=?", (ino,)))
 
 
-def fork_pages(conn: sqlite3.Connection, session_dir: int, pages: list[str], uid: int, gid: int,
-               mode: int = 0o644) -> list[tuple[int, bytes, int]]:
-    """Metadata-only fork: create every listed page missing from ``pages/``.
+def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: int, gid: int,
+               mode: int = 0o644) -> list[tuple[int, int]]:
+    """Metadata-only fork: create every page missing from ``pages/``.
 
-    Only when ``pages/`` exists (pffs never creates it) and only for pages
-    whose blob is stored. Returns (pages dir inode, name, new inode) triples.
-    Set-based (a few statements whatever the page count), so forking a
-    session of thousands of pages takes milliseconds.
+    *manifest* is the digest of a manifest recorded by :func:`record_manifest`
+    (its page list is read from ``manifest_pages``).  Only when ``pages/``
+    exists (pffs never creates it) and only for pages whose blob is stored.
+    Returns [(pages dir inode, number of page files created)], or [] if none.
+    Three INSERT ... SELECT statements whatever the page count, with no row
+    passing through Python.
     """
-    from .manifest import PAGES_DIR, page_name
+    from .manifest import PAGES_DIR
     pdir = lookup(conn, session_dir, PAGES_DIR.encode())
     if pdir is None or not get_inode(conn, pdir).is_dir:
         return []
-    have = known_blobs(conn, pages)
-    existing = {name for (name,) in conn.execute("SELECT name FROM dentries WHERE parent=?", (pdir,))}
-    todo = []
-    for ix, d in enumerate(pages):
-        size = have.get(d)
-        if size is None or size > BLOCK_SIZE:
-            continue  # not stored (the session stays incomplete), or never a page
-        name = page_name(ix).encode()
-        if name not in existing:
-            todo.append((name, d, size))
-    if not todo:
-        return []
     t = now_ns()
-    # This runs inside the writer's transaction: nobody else allocates ids meanwhile.
+    # This runs inside the writer's transaction: nobody else allocates ids
+    # meanwhile.  Page i gets inode first + i (a page left out leaves a gap),
+    # so the rows inserted are the ids from first on, and each one's page
+    # index is its id - first.
     first = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM inodes").fetchone()[0]
-    ids = range(first, first + len(todo))
-    conn.executemany(
+    args = dict(m=manifest, bs=BLOCK_SIZE, dir=pdir, first=first, mode=stat.S_IFREG | mode,
+                uid=uid, gid=gid, t=t)
+    # Pages not stored (the session stays incomplete) or too large to be one
+    # blob (never a page) are left out, as are names pages/ holds already.
+    # Names as page_name() spells them: six digits, more when needed.
+    taken = ""
+    if conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (pdir,)).fetchone():
+        taken = (" AND NOT EXISTS (SELECT 1 FROM dentries d WHERE d.parent = :dir"
+                 " AND d.name = CAST(printf('%06d', p.page_ix) AS BLOB))")
+    n = conn.execute(
         "INSERT INTO inodes (id, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest)"
-        " VALUES (?,?,?,?,?,?,?,?,1,0,?)",
-        [(i, stat.S_IFREG | mode, uid, gid, size, t, t, t, d) for i, (_, d, size) in zip(ids, todo)])
-    conn.executemany("INSERT INTO blocks (inode, blockno, blob) VALUES (?,0,?)",
-                     [(i, d) for i, (_, d, size) in zip(ids, todo) if size])
-    conn.executemany("INSERT INTO dentries (parent, name, inode) VALUES (?,?,?)",
-                     [(pdir, name, i) for i, (name, _, _) in zip(ids, todo)])
+        " SELECT :first + p.page_ix, :mode, :uid, :gid, b.raw_size, :t, :t, :t, 1, 0, p.digest"
+        " FROM manifest_pages p JOIN blobs b ON b.digest = p.digest"
+        " WHERE p.manifest = :m AND b.raw_size <= :bs" + taken, args).rowcount
+    if not n:
+        return []
+    conn.execute("INSERT INTO blocks (inode, blockno, blob)"
+                 " SELECT id, 0, digest FROM inodes WHERE id >= :first AND size > 0", args)
+    conn.execute("INSERT INTO dentries (parent, name, inode)"
+                 " SELECT :dir, CAST(printf('%06d', id - :first) AS BLOB), id FROM inodes"
+                 " WHERE id >= :first", args)
     touch_dir(conn, pdir, t)
-    return [(pdir, name, i) for i, (name, _, _) in zip(ids, todo)]
+    return [(pdir, n)]
 
 
 def cleanup_orphans(conn: sqlite3.Connection) -> int:

@@ -132,6 +132,34 @@ def test_fork_of_unknown_pages_is_incomplete(mnt, bf16_pages, tmp_path):
     assert sorted(os.listdir(mnt / "c" / "pages")) == [mf.page_name(i) for i in range(4)]
 
 
+def test_fork_into_a_partly_filled_pages_folder_keeps_what_is_there(mnt, bf16_pages, tmp_path):
+    """Pages already named stay as they are; stored pages fill the rest; unknown ones stay missing."""
+    pages = varied_pages(bf16_pages, 6)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    listed = pages[:3] + varied_pages(bf16_pages, 1, salt=9) + pages[4:]   # page 3 is stored nowhere
+    (mnt / "c" / "pages").mkdir(parents=True)
+    own = b"not a page of this session"
+    (mnt / "c" / "pages" / "000001").write_bytes(own)
+    (mnt / "c" / "manifest.json").write_bytes(make_manifest(listed).to_json())
+    names = sorted(os.listdir(mnt / "c" / "pages"))
+    assert names == [mf.page_name(i) for i in (0, 1, 2, 4, 5)]
+    assert (mnt / "c" / "pages" / "000001").read_bytes() == own
+    for i in (0, 2, 4, 5):
+        assert (mnt / "c" / "pages" / mf.page_name(i)).read_bytes() == pages[i]
+    inodes = {os.stat(mnt / "c" / "pages" / n).st_ino for n in names}
+    inodes |= {os.stat(mnt / "a" / "pages" / mf.page_name(i)).st_ino for i in range(6)}
+    assert len(inodes) == 11
+    # The page that was missing comes in later; the same manifest again adds it.
+    (mnt / "d").mkdir()
+    (mnt / "d" / "p3").write_bytes(listed[3])
+    (mnt / "c" / "manifest.json").unlink()
+    (mnt / "c" / "manifest.json").write_bytes(make_manifest(listed).to_json())
+    assert sorted(os.listdir(mnt / "c" / "pages")) == [mf.page_name(i) for i in range(6)]
+    assert (mnt / "c" / "pages" / "000003").read_bytes() == listed[3]
+    assert (mnt / "c" / "pages" / "000001").read_bytes() == own
+
+
 def test_pffs_fork_and_seal(mnt, bf16_pages, tmp_path):
     pages = varied_pages(bf16_pages, 10)
     write_session(tmp_path / "a", pages)

@@ -512,7 +512,7 @@ class Operations(pyfuse3.Operations):
         if ns.get_inode(conn, ino).digest != digest:
             raise FsError(errno.EAGAIN, "manifest changed while it was being validated")
         ns.record_manifest(conn, ino, pages, digest)
-        return ns.fork_pages(conn, parent, pages, uid, gid)
+        return ns.fork_pages(conn, parent, digest, uid, gid)
 
     def _announce(self, created) -> None:
         """Tell the kernel about page files that appeared by themselves (forks).
@@ -520,11 +520,11 @@ class Operations(pyfuse3.Operations):
         The kernel never caches a negative entry from an ENOENT reply (it
         revalidates it), so only the directories' attributes need invalidating.
         """
-        dirs = {pdir for pdir, _name, _ino in created}
+        dirs = {pdir for pdir, _n in created}
         for d in dirs:
             self._notify("inode", d, True)
         if created:
-            log.info("metadata-only fork: %d page files appeared in %s", len(created),
+            log.info("metadata-only fork: %d page files appeared in %s", sum(n for _d, n in created),
                      ", ".join(self.path_of(d) for d in dirs))
 
     # -- open files -----------------------------------------------------------
@@ -894,7 +894,7 @@ class Operations(pyfuse3.Operations):
                 ns.record_manifest(conn, ino, pages, stored.digest)
                 for parent, name in ns.names_of(conn, ino):
                     if name == MANIFEST:
-                        created += ns.fork_pages(conn, parent, pages, uid, gid)
+                        created += ns.fork_pages(conn, parent, stored.digest, uid, gid)
             return created
 
         try:
