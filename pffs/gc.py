@@ -91,7 +91,9 @@ def _scan(blob_root: Path, cutoff: float, progress) -> tuple[dict[str, tuple[flo
 
 
 def _named(conn: sqlite3.Connection, digest: str) -> bool:
-    return (conn.execute("SELECT 1 FROM blocks WHERE blob=? LIMIT 1", (digest,)).fetchone() is not None
+    # A fork's page rows (via set) hold their blobs through manifest_pages.
+    return (conn.execute("SELECT 1 FROM blocks WHERE blob=? AND via IS NULL LIMIT 1",
+                         (digest,)).fetchone() is not None
             or conn.execute("SELECT 1 FROM manifest_pages WHERE digest=? LIMIT 1",
                             (digest,)).fetchone() is not None)
 

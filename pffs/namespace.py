@@ -24,7 +24,7 @@ from typing import Iterable
 from .errors import PffsError
 from .types import Digest, InodeNo
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -74,13 +74,30 @@ CREATE INDEX dentries_inode ON dentries(inode);
 -- of the file; every block of [0, size) has a row. A file of at most
 -- BLOCK_SIZE bytes has exactly one row (none when empty) and its blob is the
 -- file's own digest. Every blob named here has a row in blobs and is stored.
+--
+-- Page files made by a metadata-only fork keep the pageset of the manifest
+-- that listed them in via; other rows have via NULL. Only via-NULL rows are
+-- in the by-blob index: a fork's rows are held through their pageset (which
+-- keeps that manifest's page list, gc roots, while it holds rows), so a fork
+-- appends to every index instead of inserting at one random place per page.
+-- Look blobs up by `blob=? AND via IS NULL` together with manifest_pages.
 CREATE TABLE blocks (
     inode   INTEGER NOT NULL REFERENCES inodes(id),
     blockno INTEGER NOT NULL,
     blob    TEXT NOT NULL REFERENCES blobs(digest),
+    via     INTEGER REFERENCES pagesets(id),
     PRIMARY KEY (inode, blockno)
 ) WITHOUT ROWID;
-CREATE INDEX blocks_blob ON blocks(blob);
+CREATE INDEX blocks_blob ON blocks(blob) WHERE via IS NULL;
+CREATE INDEX blocks_via ON blocks(via) WHERE via IS NOT NULL;
+
+-- The manifests whose pages a metadata-only fork created (one row per
+-- manifest's bytes, shared by all its forks). While blocks rows name a
+-- pageset, the manifest_pages rows of its manifest stay.
+CREATE TABLE pagesets (
+    id       INTEGER PRIMARY KEY,
+    manifest TEXT NOT NULL UNIQUE    -- manifests.digest / manifest_pages.manifest
+);
 
 -- Every blob in the store: inserted after the blob file is written and
 -- fsynced, in the same transaction as the first blocks row naming it.
@@ -281,6 +298,13 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE manifest_pages_3 RENAME TO manifest_pages",
         "CREATE INDEX manifests_digest ON manifests(digest)",
         "CREATE INDEX manifest_pages_digest ON manifest_pages(digest)"],
+    # 3 -> 4: a fork's page rows hold their blobs through the manifest that
+    # listed them (pagesets), out of the by-blob index.
+    3: ["ALTER TABLE blocks ADD COLUMN via INTEGER REFERENCES pagesets(id)",
+        "DROP INDEX blocks_blob",
+        "CREATE INDEX blocks_blob ON blocks(blob) WHERE via IS NULL",
+        "CREATE INDEX blocks_via ON blocks(via) WHERE via IS NOT NULL",
+        "CREATE TABLE pagesets (id INTEGER PRIMARY KEY, manifest TEXT NOT NULL UNIQUE)"],
 }
 
 
@@ -456,7 +480,7 @@ def make_inode(conn: sqlite3.Connection, parent: int, name: bytes, mode: int, ui
 
 def delete_inode(conn: sqlite3.Connection, ino: int) -> None:
     """Drop an inode and everything it holds (its blobs stay until gc)."""
-    conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
+    drop_blocks(conn, ino)
     conn.execute("DELETE FROM xattrs WHERE inode=?", (ino,))
     forget_manifest(conn, ino)
     conn.execute("DELETE FROM inodes WHERE id=?", (ino,))
@@ -614,7 +638,7 @@ def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
         conn.execute("INSERT OR IGNORE INTO blobs (digest, raw_size, stored_size, codec, created_ns)"
                      " VALUES (?,?,?,?,?)", (b.digest, b.raw_size, b.stored_size, b.codec, t))
     if not was_empty:
-        conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
+        drop_blocks(conn, ino)
     conn.executemany("INSERT INTO blocks (inode, blockno, blob) VALUES (?,?,?)",
                      [(ino, i, d) for i, d in enumerate(blocks)])
     conn.execute("UPDATE inodes SET size=?, digest=?, mtime_ns=COALESCE(?, mtime_ns), ctime_ns=? WHERE id=?",
@@ -622,6 +646,25 @@ def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
     if not was_empty:
         # The content changed: whatever it listed as a manifest no longer holds.
         forget_manifest(conn, ino)
+
+
+def drop_blocks(conn: sqlite3.Connection, ino: int) -> None:
+    """Delete the blocks rows of *ino*; a pageset left without rows lets its pages go."""
+    vias = {v for (v,) in conn.execute("DELETE FROM blocks WHERE inode=? RETURNING via", (ino,))
+            if v is not None}
+    for via in vias:
+        if conn.execute("SELECT 1 FROM blocks WHERE via=? LIMIT 1", (via,)).fetchone() is None:
+            row = conn.execute("SELECT manifest FROM pagesets WHERE id=?", (via,)).fetchone()
+            if row is not None:
+                _drop_unheld_pages(conn, row[0])
+
+
+def files_holding(conn: sqlite3.Connection, digest: str) -> list[int]:
+    """The inodes whose blocks name blob *digest* (by index: a fork's pages through their pageset)."""
+    return [ino for (ino,) in conn.execute(
+        "SELECT inode FROM blocks WHERE blob=:d AND via IS NULL UNION"
+        " SELECT b.inode FROM manifest_pages p JOIN pagesets ps ON ps.manifest = p.manifest"
+        " JOIN blocks b ON b.via = ps.id AND b.blob = p.digest WHERE p.digest = :d", dict(d=digest))]
 
 
 def blocks_of(conn: sqlite3.Connection, ino: int) -> list[str]:
@@ -668,8 +711,15 @@ def forget_manifest(conn: sqlite3.Connection, ino: int) -> None:
 
 
 def _drop_unheld_pages(conn: sqlite3.Connection, digest: str) -> None:
-    if conn.execute("SELECT 1 FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone() is None:
-        conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
+    """Drop the page list of manifest bytes *digest* unless a manifest or a fork's pages hold it."""
+    if conn.execute("SELECT 1 FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone() is not None:
+        return
+    ps = conn.execute("SELECT id FROM pagesets WHERE manifest=?", (digest,)).fetchone()
+    if ps is not None:
+        if conn.execute("SELECT 1 FROM blocks WHERE via=? LIMIT 1", (ps[0],)).fetchone() is not None:
+            return
+        conn.execute("DELETE FROM pagesets WHERE id=?", (ps[0],))
+    conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
 
 
 def recorded_pages(conn: sqlite3.Connection, digest: str) -> list[str] | None:
@@ -723,8 +773,10 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: i
         " WHERE p.manifest = :m AND b.raw_size <= :bs" + taken, args).rowcount
     if not n:
         return []
-    conn.execute("INSERT INTO blocks (inode, blockno, blob)"
-                 " SELECT id, 0, digest FROM inodes WHERE id >= :first AND size > 0", args)
+    conn.execute("INSERT OR IGNORE INTO pagesets (manifest) VALUES (?)", (manifest,))
+    args["via"] = conn.execute("SELECT id FROM pagesets WHERE manifest=?", (manifest,)).fetchone()[0]
+    conn.execute("INSERT INTO blocks (inode, blockno, blob, via)"
+                 " SELECT id, 0, digest, :via FROM inodes WHERE id >= :first AND size > 0", args)
     conn.execute("INSERT INTO dentries (parent, name, inode)"
                  " SELECT :dir, CAST(printf('%06d', id - :first) AS BLOB), id FROM inodes"
                  " WHERE id >= :first", args)

@@ -241,7 +241,7 @@ def _referenced(conn: sqlite3.Connection, digests) -> set[str]:
         chunk = uniq[k:k + 400]
         marks = ",".join("?" * len(chunk))
         out.update(d for (d,) in conn.execute(
-            f"SELECT blob FROM blocks WHERE blob IN ({marks})"
+            f"SELECT blob FROM blocks WHERE blob IN ({marks}) AND via IS NULL"
             f" UNION SELECT digest FROM manifest_pages WHERE digest IN ({marks})", chunk + chunk))
     return out
 
@@ -251,7 +251,8 @@ def _update_blob_rows(conn: sqlite3.Connection, new: list[ns.BlobRow], gone: lis
     for d in gone:
         # Only if still unreferenced: a commit since may have named it (and
         # then its own put or lookup found it stored).
-        conn.execute("DELETE FROM blobs WHERE digest=? AND NOT EXISTS (SELECT 1 FROM blocks WHERE blob=?)"
+        conn.execute("DELETE FROM blobs WHERE digest=?"
+                     " AND NOT EXISTS (SELECT 1 FROM blocks WHERE blob=? AND via IS NULL)"
                      " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)", (d, d, d))
 
 

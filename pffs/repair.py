@@ -253,13 +253,19 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
                      " JOIN inodes i ON i.id = m.inode WHERE i.digest IS NOT m.digest)").rowcount
     if n:
         _say(result, say, f"dropped {n} manifests rows of files whose bytes changed since")
-    n = conn.execute("DELETE FROM manifest_pages WHERE manifest NOT IN (SELECT digest FROM manifests)").rowcount
-    if n:
-        _say(result, say, f"dropped {n} manifest_pages rows of manifests no file holds")
     n = conn.execute("DELETE FROM blocks WHERE inode IN (SELECT id FROM inodes"
                      " WHERE (mode & 61440) != 32768)").rowcount
     if n:
         _say(result, say, f"dropped {n} blocks rows of inodes that are not regular files")
+    n = conn.execute(f"UPDATE blocks SET via = NULL WHERE {fsck.UNPINNED_FORK_ROW}").rowcount
+    if n:
+        _say(result, say, f"indexed {n} blocks rows of forked pages by blob again"
+                          " (the page list that held them was gone)")
+    conn.execute("DELETE FROM pagesets WHERE NOT EXISTS (SELECT 1 FROM blocks b WHERE b.via = pagesets.id)")
+    n = conn.execute("DELETE FROM manifest_pages WHERE manifest NOT IN (SELECT digest FROM manifests)"
+                     " AND manifest NOT IN (SELECT manifest FROM pagesets)").rowcount
+    if n:
+        _say(result, say, f"dropped {n} manifest_pages rows of manifests no file holds")
     for (parent, name, ino) in conn.execute(
             "SELECT parent, name, inode FROM dentries WHERE inode NOT IN (SELECT id FROM inodes)").fetchall():
         conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
@@ -294,7 +300,7 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
         conn.execute("DELETE FROM blobs WHERE digest=?", (d,))
     stale = [d for d in s.indexed if d not in s.on_disk and d not in s.bad]
     for d in stale:
-        if not conn.execute("SELECT 1 FROM blocks WHERE blob=? LIMIT 1", (d,)).fetchone():
+        if not ns.files_holding(conn, d):
             conn.execute("DELETE FROM blobs WHERE digest=?", (d,))
     if stale:
         _say(result, say, f"dropped {len(stale)} index rows of blobs that are not stored")
@@ -373,7 +379,7 @@ def _isolate(conn: sqlite3.Connection, store: StoreDir, ino: int, why: str, s: f
     base = names[0][1] if names else b"unnamed"
     lf = _lost_found(conn)
     name = _free_name(conn, lf, b"%d-%s" % (ino, base))
-    conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
+    ns.drop_blocks(conn, ino)
     conn.executemany("INSERT INTO blocks (inode, blockno, blob) VALUES (?,?,?)",
                      [(ino, i, d) for i, d in enumerate(keep)])
     ns.forget_manifest(conn, ino)

@@ -13,6 +13,7 @@ from .layout import MANIFEST_NAME, PAGES_DIR
 # start, and the manifest model, subprocess and hashlib would add a third.
 
 DIGEST_XATTR = "user.pffs.digest"
+ENTRIES_XATTR = "user.pffs.entries"
 
 
 def pffs_root(path: Path) -> Path | None:
@@ -106,7 +107,9 @@ def fork(src: str, dst: str) -> int:
         except mf.ManifestError as e:
             raise PffsError(f"{man}: {e}") from None
         raise
-    return len(os.listdir(d / PAGES_DIR))
+    # The number of page files, without listing them (10,000 names cost a
+    # tenth of a second through FUSE).
+    return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
 
 
 def place_manifest(d: Path, data: bytes) -> None:

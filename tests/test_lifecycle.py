@@ -191,12 +191,22 @@ SCHEMA_2_MANIFESTS = [
     "ALTER TABLE manifests_2 RENAME TO manifests",
     "CREATE INDEX manifest_pages_digest ON manifest_pages(digest)",
 ]
+# Schema 3's blocks: no via column (a fork's rows indexed by blob like any), no pagesets.
+SCHEMA_3_BLOCKS = [
+    "CREATE TABLE blocks_3 (inode INTEGER NOT NULL REFERENCES inodes(id), blockno INTEGER NOT NULL,"
+    " blob TEXT NOT NULL REFERENCES blobs(digest), PRIMARY KEY (inode, blockno)) WITHOUT ROWID",
+    "INSERT INTO blocks_3 SELECT inode, blockno, blob FROM blocks",
+    "DROP TABLE blocks",
+    "ALTER TABLE blocks_3 RENAME TO blocks",
+    "CREATE INDEX blocks_blob ON blocks(blob)",
+    "DROP TABLE pagesets",
+]
 
 
 def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_path):
     """Schema 1 had an index of names across directories (dentries_name);
     schemas 1 and 2 kept a page list per manifest file, schema 3 one per
-    manifest's bytes."""
+    manifest's bytes; schemas 1-3 indexed every blocks row by blob."""
     m = mount_factory()
     pages = varied_pages(bf16_pages, 3, salt=55)
     write_session(tmp_path / "s", pages)
@@ -204,7 +214,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     pffs("fork", m / "s", m / "f")
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
-    for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS]:
+    for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS, *SCHEMA_3_BLOCKS]:
         conn.execute(stmt)
     conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     conn.commit()
@@ -230,6 +240,10 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     assert [(m / "g" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)] == pages
     assert m.stop() == 0
     assert schema() == (str(ns.SCHEMA_VERSION), 0, 3, [(i, digest(p)) for i, p in enumerate(pages)])
+    c = sqlite3.connect(m.store / "namespace.db")
+    # f's pages (forked under schema 3) stay indexed by blob; g's were forked since.
+    assert c.execute("SELECT COUNT(*), COUNT(via) FROM blocks").fetchone() == (3 + 3 + 3 + 3, 3)
+    c.close()
     assert "3 sessions" in pffs("check", "--store", m.store, "--read-data").stdout
 
 
@@ -381,6 +395,55 @@ def test_repair_fixes_structure_without_losing_files(mount_factory, bf16_pages, 
     assert stats(m.path)["sessions"] == 1
     assert m.stop() == 0
     assert pffs("check", "--store", m.store, check=False).returncode == 0
+
+
+def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factory, bf16_pages, tmp_path):
+    """A fork's page files hold their blobs through their manifest's page list, which
+    stays while any of them is left, and goes with the last; check and repair know."""
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 5, salt=60)
+    write_session(tmp_path / "a", pages)
+    cp_session(tmp_path / "a", m / "a")
+    pffs("fork", m / "a", m / "b")
+    pffs("fork", m / "b", m / "c")
+    run("rm", "-r", m / "a")
+    for f in ("b", "c"):
+        os.unlink(m / f / "manifest.json")
+    assert "removed 1 blobs" in gc(m.store)     # the manifest's own blob
+    for f in ("b", "c"):
+        assert [(m / f / "pages" / mf.page_name(i)).read_bytes() for i in range(5)] == pages
+    run("rm", "-r", m / "c")
+    for i in (0, 1):
+        os.unlink(m / "b" / "pages" / mf.page_name(i))
+    assert "removed 0 blobs" in gc(m.store)     # the page list stays while b's pages are left
+    assert [(m / "b" / "pages" / mf.page_name(i)).read_bytes() for i in (2, 3, 4)] == pages[2:]
+    assert m.stop() == 0
+    assert pffs("check", "--store", m.store, check=False).returncode == 0
+    m.start()
+    run("rm", "-r", m / "b")
+    assert "removed 5 blobs" in gc(m.store)
+    assert not any(blob_path(m.store, p).exists() for p in pages)
+
+    # A fork whose page list is lost (damage): check says so, repair indexes its rows again.
+    cp_session(tmp_path / "a", m / "a")
+    pffs("fork", m / "a", m / "b")
+    run("rm", "-r", m / "a")
+    assert m.stop() == 0
+    conn = sqlite3.connect(m.store / "namespace.db")
+    conn.execute("DELETE FROM manifest_pages")
+    conn.commit()
+    conn.close()
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1 and "5 blocks rows of forked pages name a blob" in r.stdout, r.stdout
+    r = pffs("check", "--store", m.store, "--repair", check=False)
+    assert r.returncode == 0 and "indexed 5 blocks rows of forked pages by blob again" in r.stdout, r.stdout
+    assert pffs("check", "--store", m.store, check=False).returncode == 0
+    m.start()
+    os.unlink(m / "b" / "manifest.json")
+    assert "removed 1 blobs" in gc(m.store)
+    assert [(m / "b" / "pages" / mf.page_name(i)).read_bytes() for i in range(5)] == pages
+    os.unlink(m / "b" / "pages" / mf.page_name(0))
+    assert "removed 1 blobs" in gc(m.store)     # rows indexed by blob again: freed one by one
 
 
 def test_check_refuses_a_mounted_store(mnt):

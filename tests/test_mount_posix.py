@@ -239,6 +239,23 @@ def test_xattrs(mnt):
     with pytest.raises(OSError) as ei:
         os.setxattr(p, "security.foo", b"x")
     assert ei.value.errno == errno.EOPNOTSUPP
+    # A directory tells how many names it holds, read-only and unlisted.
+    (mnt / "d" / "sub").mkdir(parents=True)
+    (mnt / "d" / "f").write_bytes(b"")
+    os.symlink("f", mnt / "d" / "l")
+    assert os.getxattr(mnt / "d", "user.pffs.entries") == b"3"
+    os.unlink(mnt / "d" / "l")
+    assert os.getxattr(mnt / "d", "user.pffs.entries") == b"2"
+    assert os.getxattr(mnt / "d" / "sub", "user.pffs.entries") == b"0"
+    assert os.listxattr(mnt / "d") == []
+    for call in (lambda: os.setxattr(mnt / "d", "user.pffs.entries", b"9"),
+                 lambda: os.removexattr(mnt / "d", "user.pffs.entries")):
+        with pytest.raises(OSError) as ei:
+            call()
+        assert ei.value.errno == errno.EPERM
+    with pytest.raises(OSError) as ei:
+        os.getxattr(p, "user.pffs.entries")
+    assert ei.value.errno == errno.ENODATA
     # Namespaces pffs does not keep say so (then `ls -l` stops asking for labels
     # and ACLs), on page files and on the hidden tree alike.
     for path in (p, mnt / ".pffs" / "stats.json"):

@@ -354,7 +354,8 @@ def test_files_changed_after_prefetch_read_back_changed(mount_factory, bf16_page
 
 def test_forks_record_the_same_gc_roots(mount_factory, bf16_pages, tmp_path):
     """A fork's manifest (bytes of one already accepted) shares its source's
-    page list, which stays while any of them is left, and goes with the last."""
+    page list, which stays while any of them, or any page file a fork made
+    from it, is left, and goes with the last."""
     from pffs import namespace as ns
     m = mount_factory()
     pages = varied_pages(bf16_pages, 9)
@@ -390,6 +391,17 @@ def test_forks_record_the_same_gc_roots(mount_factory, bf16_pages, tmp_path):
     m.start()
     (m / "c" / "manifest.json").write_bytes(make_manifest(pages[:3]).to_json())  # c's bytes change
     assert m.stop() == 0
-    rows, listed = recorded()
+    rows, listed2 = recorded()
     assert len(rows) == 1 and rows[0][0] == 3 and rows[0][1] != man
-    assert [(ix, d) for _, ix, d in listed] == [(i, digest(p)) for i, p in enumerate(pages[:3])]
+    new = [(rows[0][1], i, digest(p)) for i, p in enumerate(pages[:3])]
+    # The first list stays while page files its fork made are left (c's pages/).
+    assert listed2 == sorted(listed + new)
+    m.start()
+    for i in range(8):
+        os.unlink(m / "c" / "pages" / mf.page_name(i))
+    assert m.stop() == 0
+    assert recorded()[1] == sorted(listed + new)
+    m.start()
+    os.unlink(m / "c" / "pages" / mf.page_name(8))
+    assert m.stop() == 0
+    assert recorded()[1] == new

@@ -43,6 +43,9 @@ ENTRY_TIMEOUT = 10.0
 ATTR_TIMEOUT = 10.0
 BLKSIZE = 1 << 20
 DIGEST_XATTR = b"user.pffs.digest"
+# Directories: how many names they hold (read-only, not listed, like the digest).
+ENTRIES_XATTR = b"user.pffs.entries"
+READONLY_XATTRS = (DIGEST_XATTR, ENTRIES_XATTR)
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
 PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
@@ -1035,7 +1038,7 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         if self.virtual.owns(inode):
             raise FUSEError(errno.EPERM)
-        if name == DIGEST_XATTR:
+        if name in READONLY_XATTRS:
             raise FUSEError(errno.EPERM)
         self._xattr_ns_ok(name)
         if len(value) > XATTR_SIZE_MAX:
@@ -1069,6 +1072,11 @@ class Operations(pyfuse3.Operations):
                     await self._commit(inode, st)
                 node = ns.get_inode(self.db.ro, inode)
             return node.digest.encode()
+        if name == ENTRIES_XATTR:
+            if not ns.get_inode(self.db.ro, inode).is_dir:
+                raise FUSEError(pyfuse3.ENOATTR)
+            n = self.db.ro.execute("SELECT COUNT(*) FROM dentries WHERE parent=?", (inode,)).fetchone()[0]
+            return str(n).encode()
         row = self.db.ro.execute("SELECT value FROM xattrs WHERE inode=? AND name=?",
                                  (inode, name)).fetchone()
         if row is None:
@@ -1083,7 +1091,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def removexattr(self, inode, name, ctx):
-        if name == DIGEST_XATTR or self.virtual.owns(inode):
+        if name in READONLY_XATTRS or self.virtual.owns(inode):
             raise FUSEError(errno.EPERM)
         t = ns.now_ns()
 
