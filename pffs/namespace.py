@@ -650,8 +650,9 @@ def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
 
 def drop_blocks(conn: sqlite3.Connection, ino: int) -> None:
     """Delete the blocks rows of *ino*; a pageset left without rows lets its pages go."""
-    vias = {v for (v,) in conn.execute("DELETE FROM blocks WHERE inode=? RETURNING via", (ino,))
-            if v is not None}
+    vias = [v for (v,) in conn.execute("SELECT DISTINCT via FROM blocks WHERE inode=? AND via IS NOT NULL",
+                                       (ino,))]
+    conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
     for via in vias:
         if conn.execute("SELECT 1 FROM blocks WHERE via=? LIMIT 1", (via,)).fetchone() is None:
             row = conn.execute("SELECT manifest FROM pagesets WHERE id=?", (via,)).fetchone()
