@@ -257,6 +257,20 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
                      " WHERE (mode & 61440) != 32768)").rowcount
     if n:
         _say(result, say, f"dropped {n} blocks rows of inodes that are not regular files")
+    for digest, ino, _want, _have in fsck.short_page_lists(conn):
+        where = ns.path_of(conn, ino)
+        try:
+            pages = mf.parse(ns.read_file(conn, store.blobs, ino, mf.MAX_MANIFEST_BYTES)).pages
+        except (IntegrityError, ValueError):
+            continue    # its blob is damaged: the file goes to lost+found below
+        except mf.ManifestError as e:
+            for (holder,) in conn.execute("SELECT inode FROM manifests WHERE digest=?", (digest,)).fetchall():
+                ns.forget_manifest(conn, holder)
+            _say(result, say, f"{where}: no longer recorded as a manifest ({e})")
+            continue
+        ns.record_manifest(conn, ino, pages, digest)
+        conn.execute("UPDATE manifests SET n_pages=? WHERE digest=?", (len(pages), digest))
+        _say(result, say, f"{where}: recorded the page list of its bytes again ({len(pages)} pages)")
     n = conn.execute(f"UPDATE blocks SET via = NULL WHERE {fsck.UNPINNED_FORK_ROW}").rowcount
     if n:
         _say(result, say, f"indexed {n} blocks rows of forked pages by blob again"

@@ -424,26 +424,35 @@ def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factor
     assert "removed 5 blobs" in gc(m.store)
     assert not any(blob_path(m.store, p).exists() for p in pages)
 
-    # A fork whose page list is lost (damage): check says so, repair indexes its rows again.
+    # Damage: the fork's pageset and every page list lost. check says so; repair
+    # records the manifest's page list again from its bytes and indexes the
+    # fork's rows by blob again.
     cp_session(tmp_path / "a", m / "a")
     pffs("fork", m / "a", m / "b")
     run("rm", "-r", m / "a")
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
+    conn.execute("DELETE FROM pagesets")
     conn.execute("DELETE FROM manifest_pages")
     conn.commit()
     conn.close()
     r = pffs("check", "--store", m.store, check=False)
-    assert r.returncode == 1 and "5 blocks rows of forked pages name a blob" in r.stdout, r.stdout
+    assert r.returncode == 1, r.stdout
+    for what in ("5 blocks rows of forked pages name a blob",
+                 "/b/manifest.json: the page list recorded for its bytes holds 0 of its 5 pages"):
+        assert what in r.stdout, (what, r.stdout)
     r = pffs("check", "--store", m.store, "--repair", check=False)
-    assert r.returncode == 0 and "indexed 5 blocks rows of forked pages by blob again" in r.stdout, r.stdout
+    assert r.returncode == 0, r.stdout
+    for what in ("/b/manifest.json: recorded the page list of its bytes again (5 pages)",
+                 "indexed 5 blocks rows of forked pages by blob again"):
+        assert what in r.stdout, (what, r.stdout)
     assert pffs("check", "--store", m.store, check=False).returncode == 0
     m.start()
-    os.unlink(m / "b" / "manifest.json")
-    assert "removed 1 blobs" in gc(m.store)
-    assert [(m / "b" / "pages" / mf.page_name(i)).read_bytes() for i in range(5)] == pages
     os.unlink(m / "b" / "pages" / mf.page_name(0))
-    assert "removed 1 blobs" in gc(m.store)     # rows indexed by blob again: freed one by one
+    assert "removed 0 blobs" in gc(m.store)     # the page list recorded again holds it
+    os.unlink(m / "b" / "manifest.json")
+    assert "removed 2 blobs" in gc(m.store)     # the manifest's and page 0's
+    assert [(m / "b" / "pages" / mf.page_name(i)).read_bytes() for i in range(1, 5)] == pages[1:]
 
 
 def test_check_refuses_a_mounted_store(mnt):
