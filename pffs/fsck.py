@@ -156,7 +156,8 @@ UNPINNED_FORK_ROW = ("via IS NOT NULL AND NOT EXISTS (SELECT 1 FROM manifest_pag
 
 
 def short_page_lists(conn: sqlite3.Connection) -> list[tuple[str, int, int, int]]:
-    """Recorded manifests whose page list lacks rows: (digest, an inode holding it, pages, rows)."""
+    """Recorded manifests whose page list has not one row per page: (digest, an inode holding it,
+    pages, rows)."""
     return [row for row in conn.execute(
         "SELECT m.digest, MIN(m.inode), MAX(m.n_pages),"
         " (SELECT COUNT(*) FROM manifest_pages p WHERE p.manifest = m.digest) AS have"
@@ -198,9 +199,9 @@ def _check_files(conn: sqlite3.Connection, r: Report) -> None:
     n = conn.execute(f"SELECT COUNT(*) FROM blocks WHERE {UNPINNED_FORK_ROW}").fetchone()[0]
     if n:
         r.damage.append(f"{n} blocks rows of forked pages name a blob their manifest's page list lacks")
-    for digest, ino, want, have in short_page_lists(conn):
-        r.damage.append(f"{path_of(conn, ino)}: the page list recorded for its bytes holds {have} of its"
-                        f" {want} pages (gc would not keep the others)")
+    for _digest, ino, want, have in short_page_lists(conn):
+        r.damage.append(f"{path_of(conn, ino)}: the page list recorded for its bytes has {have} rows for"
+                        f" its {want} pages (gc keeps a session's pages through it)")
     n = conn.execute("SELECT COUNT(*) FROM blocks b JOIN inodes i ON i.id = b.inode"
                      " WHERE (i.mode & 61440) != 32768").fetchone()[0]
     if n:

@@ -439,7 +439,7 @@ def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factor
     r = pffs("check", "--store", m.store, check=False)
     assert r.returncode == 1, r.stdout
     for what in ("5 blocks rows of forked pages name a blob",
-                 "/b/manifest.json: the page list recorded for its bytes holds 0 of its 5 pages"):
+                 "/b/manifest.json: the page list recorded for its bytes has 0 rows for its 5 pages"):
         assert what in r.stdout, (what, r.stdout)
     r = pffs("check", "--store", m.store, "--repair", check=False)
     assert r.returncode == 0, r.stdout
