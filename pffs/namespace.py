@@ -654,10 +654,9 @@ def drop_blocks(conn: sqlite3.Connection, ino: int) -> None:
                                        (ino,))]
     conn.execute("DELETE FROM blocks WHERE inode=?", (ino,))
     for via in vias:
-        if conn.execute("SELECT 1 FROM blocks WHERE via=? LIMIT 1", (via,)).fetchone() is None:
-            row = conn.execute("SELECT manifest FROM pagesets WHERE id=?", (via,)).fetchone()
-            if row is not None:
-                _drop_unheld_pages(conn, row[0])
+        row = conn.execute("SELECT manifest FROM pagesets WHERE id=?", (via,)).fetchone()
+        if row is not None:
+            _drop_unheld_pages(conn, row[0])
 
 
 def files_holding(conn: sqlite3.Connection, digest: str) -> list[int]:
