@@ -168,13 +168,7 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pffs", description=__doc__ and
-                                "KV caches as files: mount, inspect, fork and back up LLM KV caches.")
-    p.add_argument("--version", action="version", version=f"pffs {__version__}")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
-
-    s = sub.add_parser("mount", help="mount a store")
+def _mount_args(s) -> None:
     s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs),"
                    " or s3://BUCKET/PREFIX")
     s.add_argument("--cache", help="with an s3:// store: the local folder for its namespace and blob"
@@ -186,20 +180,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint")
     s.set_defaults(func=cmd_mount)
 
-    s = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
+
+def _umount_args(s) -> None:
     s.add_argument("mountpoint")
     s.set_defaults(func=cmd_umount)
 
-    s = sub.add_parser("fork", help="fork a session without moving page bytes")
+
+def _fork_args(s) -> None:
     s.add_argument("src")
     s.add_argument("dst")
     s.set_defaults(func=cmd_fork)
 
-    s = sub.add_parser("seal", help="rewrite a session's manifest.json from its page files")
+
+def _seal_args(s) -> None:
     s.add_argument("session")
     s.set_defaults(func=cmd_seal)
 
-    s = sub.add_parser("demo", help="save, fork and restore a KV cache of the reference engine")
+
+def _demo_args(s) -> None:
     s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
     s.add_argument("--mountpoint", help="where to mount (default $PFFS_MOUNT, /mnt/kvcache as root,"
                    " else ~/kvcache); an existing pffs mount there is used")
@@ -209,27 +207,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine whose KV cache is saved and restored")
     s.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("stats", help="store figures: sessions, bytes, dedup and compression ratios")
+
+def _stats_args(s) -> None:
     s.add_argument("mountpoint", nargs="?", help="a mounted pffs (else --store)")
     s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=cmd_stats)
 
-    s = sub.add_parser("check", help="check an unmounted store for damage")
+
+def _check_args(s) -> None:
     s.add_argument("--store", help="store directory")
     s.add_argument("--read-data", action="store_true", help="read, decompress and re-hash every blob")
     s.add_argument("--repair", action="store_true",
                    help="fix what can be fixed without losing intact data (damaged files go to /lost+found)")
     s.set_defaults(func=cmd_check)
 
-    s = sub.add_parser("gc", help="remove blobs no file holds and no manifest lists (mounted or not)")
+
+def _gc_args(s) -> None:
     s.add_argument("--store", help="store directory (default $PFFS_STORE or ~/.local/share/pffs)")
     s.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     s.add_argument("--grace", default="10m", metavar="AGE",
                    help="keep unnamed blobs younger than this (default 10m)")
     s.set_defaults(func=cmd_gc)
 
-    s = sub.add_parser("prune", help="remove old sessions under a folder of a mounted pffs, then gc")
+
+def _prune_args(s) -> None:
     s.add_argument("path", help="a folder in a mounted pffs holding sessions")
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest sessions")
@@ -237,48 +239,90 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     s.add_argument("--grace", default="10m", metavar="AGE", help="gc's grace period (default 10m)")
     s.set_defaults(func=cmd_prune)
-    _add_remote_commands(sub)
-    return p
 
 
 def _remote(name: str):
+    """A command of pffs.remote, imported when it runs (S3 clients are slow to import)."""
     def run(args):
         from . import remote
         return getattr(remote, name)(args)
     return run
 
 
-def _add_remote_commands(sub) -> None:
-    """The S3 subcommands (pffs.remote, imported when one runs: S3 clients are slow to import)."""
-    where = "store: s3://BUCKET/PREFIX or its cache folder (default: the mount holding the path)"
-    s = sub.add_parser("push", help="publish a session's manifest to the S3 bucket (no page bytes move)")
+_WHERE = "store: s3://BUCKET/PREFIX or its cache folder (default: the mount holding the path)"
+
+
+def _push_args(s) -> None:
     s.add_argument("session", help="a session folder in a mount of an S3 store")
     s.add_argument("name", nargs="?", help="published name (default: the folder's name)")
-    s.add_argument("--store", help=where)
+    s.add_argument("--store", help=_WHERE)
     s.add_argument("--force", action="store_true", help="replace a session published under NAME")
     s.set_defaults(func=_remote("_cmd_push"))
 
-    s = sub.add_parser("pull", help="make a session published in the bucket appear in a mount")
+
+def _pull_args(s) -> None:
     s.add_argument("name")
     s.add_argument("dest", help="new folder in a mount of the same S3 store")
     s.add_argument("--store", help="the store published to (checked against DEST's mount)")
     s.set_defaults(func=_remote("_cmd_pull"))
 
-    s = sub.add_parser("ls-remote", help="list the sessions published in the bucket")
+
+def _ls_remote_args(s) -> None:
     s.add_argument("path", nargs="?", help="a path in a mounted pffs (default: the current folder)")
-    s.add_argument("--store", help=where)
+    s.add_argument("--store", help=_WHERE)
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=_remote("_cmd_ls_remote"))
 
-    s = sub.add_parser("rm-remote", help="withdraw a published session (its pages stay while referenced)")
+
+def _rm_remote_args(s) -> None:
     s.add_argument("name")
     s.add_argument("path", nargs="?", help="a path in a mounted pffs (default: the current folder)")
-    s.add_argument("--store", help=where)
+    s.add_argument("--store", help=_WHERE)
     s.set_defaults(func=_remote("_cmd_rm_remote"))
 
 
+# (name, help, what adds its arguments), in the order `pffs --help` lists them.
+COMMANDS = [
+    ("mount", "mount a store", _mount_args),
+    ("umount", "unmount and wait for the daemon to finish", _umount_args),
+    ("fork", "fork a session without moving page bytes", _fork_args),
+    ("seal", "rewrite a session's manifest.json from its page files", _seal_args),
+    ("demo", "save, fork and restore a KV cache of the reference engine", _demo_args),
+    ("stats", "store figures: sessions, bytes, dedup and compression ratios", _stats_args),
+    ("check", "check an unmounted store for damage", _check_args),
+    ("gc", "remove blobs no file holds and no manifest lists (mounted or not)", _gc_args),
+    ("prune", "remove old sessions under a folder of a mounted pffs, then gc", _prune_args),
+    ("push", "publish a session's manifest to the S3 bucket (no page bytes move)", _push_args),
+    ("pull", "make a session published in the bucket appear in a mount", _pull_args),
+    ("ls-remote", "list the sessions published in the bucket", _ls_remote_args),
+    ("rm-remote", "withdraw a published session (its pages stay while referenced)", _rm_remote_args),
+]
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for *argv*: when it names a command, that command's alone.
+
+    Building every subparser costs more than a quick command like fork
+    itself takes to start; ``pffs --help`` and a mistyped command get them all.
+    """
+    p = argparse.ArgumentParser(prog="pffs", description=__doc__ and
+                                "KV caches as files: mount, inspect, fork and back up LLM KV caches.")
+    p.add_argument("--version", action="version", version=f"pffs {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    # The top level's only options (-h, --version) take no value: the first
+    # other word is the command.
+    first = next((a for a in argv or () if not a.startswith("-")), None)
+    wanted = first if any(first == name for name, _, _ in COMMANDS) else None
+    for name, help, add_args in COMMANDS:
+        if wanted is None or name == wanted:
+            add_args(sub.add_parser(name, help=help))
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
