@@ -23,7 +23,8 @@ from typing import Callable
 
 from . import manifest as mf
 from .errors import IntegrityError
-from .namespace import BLOCK_SIZE, EMPTY_DIGEST, ROOT_INODE, files_holding, path_of, read_file
+from .namespace import (BLOCK_SIZE, EMPTY_DIGEST, ROOT_INODE, files_holding, path_of, read_file,
+                        transaction, unfold)
 from .store.local import LocalBlobStore
 from .types import Digest
 
@@ -112,6 +113,16 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
         r.damage += [f"namespace database: {e}" for e in r.db_errors]
         r.damage.append("the namespace database is damaged; pffs check --repair restores the newest snapshot")
         return r
+    # Folded forks become the rows every check below reads; one whose page
+    # list lost rows stays folded (repair records the list again first).
+    with transaction(conn):
+        short = folds_short(conn)
+        for (d,) in conn.execute("SELECT dir FROM folds").fetchall():
+            if d not in short:
+                unfold(conn, d)
+    for d, (files, gives) in sorted(short.items()):
+        r.damage.append(f"{path_of(conn, d)}: a fork's {files} page files are folded here, and the"
+                        f" page list they come from gives {gives}")
     s = r.blobs = blob_status(conn, blobs, read_data=read_data, progress=progress)
     r.counts["blobs_on_disk"] = len(s.on_disk)
     r.counts["blobs_indexed"] = len(s.indexed)
@@ -155,6 +166,15 @@ UNPINNED_FORK_ROW = ("via IS NOT NULL AND NOT EXISTS (SELECT 1 FROM manifest_pag
                      " ON ps.id = blocks.via WHERE p.digest = blocks.blob AND +p.manifest = ps.manifest)")
 
 
+def folds_short(conn: sqlite3.Connection) -> dict[int, tuple[int, int]]:
+    """Folded forks whose page list no longer gives each of their files: {folder: (files, pages
+    it gives)}."""
+    return {d: (files, gives) for d, files, gives in conn.execute(
+        "SELECT f.dir, f.files, (SELECT COUNT(*) FROM manifest_pages p JOIN blobs b ON b.digest = p.digest"
+        " WHERE p.manifest = f.manifest AND b.raw_size <= ?) FROM folds f", (BLOCK_SIZE,))
+        if files != gives}
+
+
 def short_page_lists(conn: sqlite3.Connection) -> list[tuple[str, int, int, int]]:
     """Recorded manifests whose page list has not one row per page: (digest, an inode holding it,
     pages, rows)."""
@@ -193,7 +213,8 @@ def _check_files(conn: sqlite3.Connection, r: Report) -> None:
     n = conn.execute("SELECT COUNT(*) FROM manifest_pages p WHERE NOT EXISTS"
                      " (SELECT 1 FROM manifests m WHERE m.digest = p.manifest) AND NOT EXISTS"
                      " (SELECT 1 FROM pagesets ps JOIN blocks b ON b.via = ps.id"
-                     "  WHERE ps.manifest = p.manifest)").fetchone()[0]
+                     "  WHERE ps.manifest = p.manifest) AND NOT EXISTS"
+                     " (SELECT 1 FROM folds f WHERE f.manifest = p.manifest)").fetchone()[0]
     if n:
         r.damage.append(f"{n} manifest_pages rows belong to manifests no file holds")
     n = conn.execute(f"SELECT COUNT(*) FROM blocks WHERE {UNPINNED_FORK_ROW}").fetchone()[0]

@@ -24,7 +24,7 @@ from typing import Iterable
 from .errors import PffsError
 from .types import Digest, InodeNo
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -140,6 +140,24 @@ CREATE TABLE manifest_pages (
     PRIMARY KEY (manifest, page_ix)
 ) WITHOUT ROWID;
 CREATE INDEX manifest_pages_digest ON manifest_pages(digest);
+
+-- Folded forks: a pages/ folder that a metadata-only fork filled with every
+-- page of a manifest whose pages were all stored, recorded as this one row.
+-- Its page files' inodes, blocks and dentries rows are made (unfolded, see
+-- unfold()) before anything looks into the folder: a lookup that misses, an
+-- opendir, a change in it, pffs check. Until then the folder has no dentries
+-- and the row holds its manifest's page list, so gc keeps every page's blob.
+CREATE TABLE folds (
+    dir      INTEGER PRIMARY KEY REFERENCES inodes(id),  -- the pages/ folder
+    manifest TEXT NOT NULL,      -- manifest_pages.manifest: the page list its files are
+    uid     INTEGER NOT NULL,    -- owner, group and mode bits of the page files
+    gid     INTEGER NOT NULL,
+    mode    INTEGER NOT NULL,    -- st_mode (S_IFREG | permission bits)
+    t_ns    INTEGER NOT NULL,    -- their atime, mtime and ctime: when the fork was made
+    files   INTEGER NOT NULL,    -- page files it holds (the pages of the manifest)
+    bytes   INTEGER NOT NULL     -- their sizes summed
+);
+CREATE INDEX folds_manifest ON folds(manifest);
 """
 
 
@@ -305,6 +323,12 @@ MIGRATIONS: dict[int, list[str]] = {
         "CREATE INDEX blocks_blob ON blocks(blob) WHERE via IS NULL",
         "CREATE INDEX blocks_via ON blocks(via) WHERE via IS NOT NULL",
         "CREATE TABLE pagesets (id INTEGER PRIMARY KEY, manifest TEXT NOT NULL UNIQUE)"],
+    # 4 -> 5: a fork into an empty pages/ folder is one row until it is looked into.
+    4: ["CREATE TABLE folds (dir INTEGER PRIMARY KEY REFERENCES inodes(id),"
+        " manifest TEXT NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,"
+        " mode INTEGER NOT NULL, t_ns INTEGER NOT NULL, files INTEGER NOT NULL,"
+        " bytes INTEGER NOT NULL)",
+        "CREATE INDEX folds_manifest ON folds(manifest)"],
 }
 
 
@@ -352,6 +376,10 @@ def stats(conn: sqlite3.Connection) -> Stats:
     files, logical = conn.execute(
         "SELECT COUNT(*), COALESCE(SUM(i.size), 0) FROM dentries d JOIN inodes i ON i.id = d.inode"
         " WHERE (i.mode & 61440) = 32768").fetchone()
+    folded, folded_bytes = conn.execute(
+        "SELECT COALESCE(SUM(files), 0), COALESCE(SUM(bytes), 0) FROM folds").fetchone()
+    files += folded
+    logical += folded_bytes
     blobs, unique, stored = conn.execute(
         "SELECT COUNT(*), COALESCE(SUM(raw_size), 0), COALESCE(SUM(stored_size), 0) FROM blobs"
     ).fetchone()
@@ -439,12 +467,20 @@ def check_name(name: bytes) -> None:
 
 
 def _dir(conn: sqlite3.Connection, ino: int) -> Inode:
+    """The directory a change is made in (unfolded first: see unfold)."""
     node = get_inode(conn, ino)
     if not node.is_dir:
         raise FsError(_errno.ENOTDIR)
     if node.nlink == 0:
         raise FsError(_errno.ENOENT, "directory was removed")
+    unfold(conn, ino)
     return node
+
+
+def _is_empty(conn: sqlite3.Connection, ino: int) -> bool:
+    """Whether directory *ino* has no entries (a folded fork's folder has its pages)."""
+    return (conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (ino,)).fetchone() is None
+            and conn.execute("SELECT 1 FROM folds WHERE dir=? AND files > 0", (ino,)).fetchone() is None)
 
 
 def touch_dir(conn: sqlite3.Connection, ino: int, t: int, nlink_delta: int = 0) -> None:
@@ -483,6 +519,7 @@ def delete_inode(conn: sqlite3.Connection, ino: int) -> None:
     drop_blocks(conn, ino)
     conn.execute("DELETE FROM xattrs WHERE inode=?", (ino,))
     forget_manifest(conn, ino)
+    _drop_fold(conn, ino)
     conn.execute("DELETE FROM inodes WHERE id=?", (ino,))
 
 
@@ -518,7 +555,7 @@ def rmdir(conn: sqlite3.Connection, parent: int, name: bytes, in_use) -> tuple[i
         raise FsError(_errno.ENOENT)
     if not get_inode(conn, ino).is_dir:
         raise FsError(_errno.ENOTDIR)
-    if conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (ino,)).fetchone():
+    if not _is_empty(conn, ino):
         raise FsError(_errno.ENOTEMPTY)
     t = now_ns()
     conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
@@ -569,7 +606,7 @@ def rename(conn: sqlite3.Connection, old_parent: int, old_name: bytes, new_paren
         if tnode.is_dir:
             if not node.is_dir:
                 raise FsError(_errno.EISDIR)
-            if conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (target,)).fetchone():
+            if not _is_empty(conn, target):
                 raise FsError(_errno.ENOTEMPTY)
             touch_dir(conn, new_parent, t, -1)
         elif node.is_dir:
@@ -711,8 +748,11 @@ def forget_manifest(conn: sqlite3.Connection, ino: int) -> None:
 
 
 def _drop_unheld_pages(conn: sqlite3.Connection, digest: str) -> None:
-    """Drop the page list of manifest bytes *digest* unless a manifest or a fork's pages hold it."""
+    """Drop the page list of manifest bytes *digest* unless a manifest or a fork's pages
+    (page files or a fold) hold it."""
     if conn.execute("SELECT 1 FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone() is not None:
+        return
+    if conn.execute("SELECT 1 FROM folds WHERE manifest=? LIMIT 1", (digest,)).fetchone() is not None:
         return
     ps = conn.execute("SELECT id FROM pagesets WHERE manifest=?", (digest,)).fetchone()
     if ps is not None:
@@ -744,44 +784,104 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: i
     (its page list is read from ``manifest_pages``).  Only when ``pages/``
     exists (pffs never creates it) and only for pages whose blob is stored.
     Returns [(pages dir inode, number of page files created)], or [] if none.
-    Three INSERT ... SELECT statements whatever the page count, with no row
-    passing through Python.
+    An empty ``pages/`` given every page of the manifest is folded: one row,
+    whatever the page count (see :func:`unfold`).  Otherwise the page files
+    are made at once, by three INSERT ... SELECT statements.
     """
     from .manifest import PAGES_DIR
     pdir = lookup(conn, session_dir, PAGES_DIR.encode())
     if pdir is None or not get_inode(conn, pdir).is_dir:
         return []
     t = now_ns()
+    unfold(conn, pdir)
+    taken = conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (pdir,)).fetchone() is not None
+    if not taken:
+        listed = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (manifest,)).fetchone()
+        n, nbytes = conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(b.raw_size), 0) FROM manifest_pages p"
+            " JOIN blobs b ON b.digest = p.digest WHERE p.manifest = ? AND b.raw_size <= ?",
+            (manifest, BLOCK_SIZE)).fetchone()
+        if n == 0:
+            return []
+        if listed is not None and n == listed[0]:
+            conn.execute("INSERT INTO folds (dir, manifest, uid, gid, mode, t_ns, files, bytes)"
+                         " VALUES (?,?,?,?,?,?,?,?)", (pdir, manifest, uid, gid, stat.S_IFREG | mode, t,
+                                                       n, nbytes))
+            touch_dir(conn, pdir, t)
+            return [(pdir, n)]
+    n = _make_pages(conn, pdir, manifest, uid, gid, stat.S_IFREG | mode, t, taken)
+    if not n:
+        return []
+    touch_dir(conn, pdir, t)
+    return [(pdir, n)]
+
+
+def _pageset(conn: sqlite3.Connection, manifest: str) -> int:
+    conn.execute("INSERT OR IGNORE INTO pagesets (manifest) VALUES (?)", (manifest,))
+    return conn.execute("SELECT id FROM pagesets WHERE manifest=?", (manifest,)).fetchone()[0]
+
+
+def _make_pages(conn: sqlite3.Connection, pdir: int, manifest: str, uid: int, gid: int, mode: int,
+                t: int, taken: bool) -> int:
+    """The page files of *manifest* in *pdir* whose blobs are stored: their inodes, blocks and
+    dentries rows, by three INSERT ... SELECT statements with no row passing through Python.
+
+    *taken*: *pdir* has entries already, whose names are left alone.  Returns how many were made.
+    """
     # This runs inside the writer's transaction: nobody else allocates ids
     # meanwhile.  Page i gets inode first + i (a page left out leaves a gap),
     # so the rows inserted are the ids from first on, and each one's page
     # index is its id - first.
     first = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM inodes").fetchone()[0]
-    args = dict(m=manifest, bs=BLOCK_SIZE, dir=pdir, first=first, mode=stat.S_IFREG | mode,
-                uid=uid, gid=gid, t=t)
+    args = dict(m=manifest, bs=BLOCK_SIZE, dir=pdir, first=first, mode=mode, uid=uid, gid=gid, t=t)
     # Pages not stored (the session stays incomplete) or too large to be one
     # blob (never a page) are left out, as are names pages/ holds already.
     # Names as page_name() spells them: six digits, more when needed.
-    taken = ""
-    if conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (pdir,)).fetchone():
-        taken = (" AND NOT EXISTS (SELECT 1 FROM dentries d WHERE d.parent = :dir"
-                 " AND d.name = CAST(printf('%06d', p.page_ix) AS BLOB))")
+    where_free = (" AND NOT EXISTS (SELECT 1 FROM dentries d WHERE d.parent = :dir"
+                  " AND d.name = CAST(printf('%06d', p.page_ix) AS BLOB))") if taken else ""
     n = conn.execute(
         "INSERT INTO inodes (id, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest)"
         " SELECT :first + p.page_ix, :mode, :uid, :gid, b.raw_size, :t, :t, :t, 1, 0, p.digest"
         " FROM manifest_pages p JOIN blobs b ON b.digest = p.digest"
-        " WHERE p.manifest = :m AND b.raw_size <= :bs" + taken, args).rowcount
+        " WHERE p.manifest = :m AND b.raw_size <= :bs" + where_free, args).rowcount
     if not n:
-        return []
-    conn.execute("INSERT OR IGNORE INTO pagesets (manifest) VALUES (?)", (manifest,))
-    args["via"] = conn.execute("SELECT id FROM pagesets WHERE manifest=?", (manifest,)).fetchone()[0]
+        return 0
+    args["via"] = _pageset(conn, manifest)
     conn.execute("INSERT INTO blocks (inode, blockno, blob, via)"
                  " SELECT id, 0, digest, :via FROM inodes WHERE id >= :first AND size > 0", args)
     conn.execute("INSERT INTO dentries (parent, name, inode)"
                  " SELECT :dir, CAST(printf('%06d', id - :first) AS BLOB), id FROM inodes"
                  " WHERE id >= :first", args)
-    touch_dir(conn, pdir, t)
-    return [(pdir, n)]
+    return n
+
+
+def is_folded(conn: sqlite3.Connection, pdir: int) -> bool:
+    return conn.execute("SELECT 1 FROM folds WHERE dir=?", (pdir,)).fetchone() is not None
+
+
+def unfold(conn: sqlite3.Connection, pdir: int) -> int:
+    """Make the page files of the folded fork in *pdir*, if it is one; returns how many.
+
+    Their inode numbers are given now (nobody has seen them), their owner,
+    mode and times are the fork's.  Nothing else changes: the folder's
+    times stay those of the fork.
+    """
+    row = conn.execute("SELECT manifest, uid, gid, mode, t_ns FROM folds WHERE dir=?", (pdir,)).fetchone()
+    if row is None:
+        return 0
+    manifest, uid, gid, mode, t = row
+    conn.execute("DELETE FROM folds WHERE dir=?", (pdir,))
+    n = _make_pages(conn, pdir, manifest, uid, gid, mode, t, False)
+    if not n:
+        _drop_unheld_pages(conn, manifest)
+    return n
+
+
+def _drop_fold(conn: sqlite3.Connection, pdir: int) -> None:
+    row = conn.execute("SELECT manifest FROM folds WHERE dir=?", (pdir,)).fetchone()
+    if row is not None:
+        conn.execute("DELETE FROM folds WHERE dir=?", (pdir,))
+        _drop_unheld_pages(conn, row[0])
 
 
 def cleanup_orphans(conn: sqlite3.Connection) -> int:

@@ -271,6 +271,10 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
         ns.record_manifest(conn, ino, pages, digest)
         conn.execute("UPDATE manifests SET n_pages=? WHERE digest=?", (len(pages), digest))
         _say(result, say, f"{where}: recorded the page list of its bytes again ({len(pages)} pages)")
+    for d, (files, _gives) in sorted(fsck.folds_short(conn).items()):
+        made = ns.unfold(conn, d)
+        _say(result, say, f"{ns.path_of(conn, d)}: made {made} of the {files} page files of a folded fork"
+                          + ("" if made == files else " (the page list they came from lacks the rest)"))
     n = conn.execute(f"UPDATE blocks SET via = NULL WHERE {fsck.UNPINNED_FORK_ROW}").rowcount
     if n:
         _say(result, say, f"indexed {n} blocks rows of forked pages by blob again"

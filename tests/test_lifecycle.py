@@ -201,20 +201,25 @@ SCHEMA_3_BLOCKS = [
     "CREATE INDEX blocks_blob ON blocks(blob)",
     "DROP TABLE pagesets",
 ]
+# Schema 4 had no folded forks.
+SCHEMA_4_FOLDS = ["DROP TABLE folds"]
 
 
 def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_path):
     """Schema 1 had an index of names across directories (dentries_name);
     schemas 1 and 2 kept a page list per manifest file, schema 3 one per
-    manifest's bytes; schemas 1-3 indexed every blocks row by blob."""
+    manifest's bytes; schemas 1-3 indexed every blocks row by blob; schemas
+    1-4 made a fork's page files at once (no folds)."""
     m = mount_factory()
     pages = varied_pages(bf16_pages, 3, salt=55)
     write_session(tmp_path / "s", pages)
     cp_session(tmp_path / "s", m / "s")
     pffs("fork", m / "s", m / "f")
+    assert len(os.listdir(m / "f" / "pages")) == 3  # (unfolded: the rows a fork made before)
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
-    for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS, *SCHEMA_3_BLOCKS]:
+    for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS, *SCHEMA_3_BLOCKS,
+                 *SCHEMA_4_FOLDS]:
         conn.execute(stmt)
     conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     conn.commit()
@@ -429,6 +434,7 @@ def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factor
     # fork's rows by blob again.
     cp_session(tmp_path / "a", m / "a")
     pffs("fork", m / "a", m / "b")
+    assert len(os.listdir(m / "b" / "pages")) == 5    # unfolded: the fork's page rows
     run("rm", "-r", m / "a")
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
@@ -453,6 +459,71 @@ def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factor
     os.unlink(m / "b" / "manifest.json")
     assert "removed 2 blobs" in gc(m.store)     # the manifest's and page 0's
     assert [(m / "b" / "pages" / mf.page_name(i)).read_bytes() for i in range(1, 5)] == pages[1:]
+
+
+def folds(store) -> int:
+    c = sqlite3.connect(store / "namespace.db")
+    try:
+        return c.execute("SELECT COUNT(*) FROM folds").fetchone()[0]
+    finally:
+        c.close()
+
+
+def test_folded_forks_hold_their_pages_and_check_and_repair_unfold_them(mount_factory, bf16_pages,
+                                                                        tmp_path):
+    """A folded fork (one row until looked into) holds its pages for gc; check unfolds it;
+    when its page list was lost, repair records it again from a manifest with those bytes,
+    or makes what is left of a fork no manifest holds."""
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 4, salt=62)
+    names = [mf.page_name(i) for i in range(4)]
+    write_session(tmp_path / "a", pages)
+    cp_session(tmp_path / "a", m / "a")
+    pffs("fork", m / "a", m / "x")
+    assert m.stop() == 0
+    assert folds(m.store) == 1
+    assert "2 sessions" in pffs("check", "--store", m.store).stdout
+    assert folds(m.store) == 0
+    m.start()
+    assert sorted(os.listdir(m / "x" / "pages")) == names
+    run("rm", "-r", m / "x")
+    for f in ("b", "c"):
+        pffs("fork", m / "a", m / f)
+    # d: a manifest of its own (page 0 and a page no other file holds) into an
+    # empty pages/, then removed: d's fold alone holds that page.
+    extra = varied_pages(bf16_pages, 1, salt=63)[0]
+    (m / "z").write_bytes(extra)
+    (m / "d" / "pages").mkdir(parents=True)
+    (m / "d" / "manifest.json").write_bytes(make_manifest([pages[0], extra]).to_json())
+    os.unlink(m / "d" / "manifest.json")
+    os.unlink(m / "z")
+    run("rm", "-r", m / "a")
+    assert "removed 1 blobs" in gc(m.store)     # d's manifest; the folds hold every page
+    assert m.stop() == 0
+    assert folds(m.store) == 3
+    conn = sqlite3.connect(m.store / "namespace.db")
+    conn.execute("DELETE FROM manifest_pages")
+    conn.commit()
+    conn.close()
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1, r.stdout
+    for what in ("/b/pages: a fork's 4 page files are folded here, and the page list they come from gives 0",
+                 "/c/pages: a fork's 4 page files are folded here",
+                 "/d/pages: a fork's 2 page files are folded here"):
+        assert what in r.stdout, (what, r.stdout)
+    r = pffs("check", "--store", m.store, "--repair", check=False)
+    assert r.returncode == 0, r.stdout
+    for what in ("/b/manifest.json: recorded the page list of its bytes again (4 pages)",
+                 "/d/pages: made 0 of the 2 page files of a folded fork (the page list they came from"
+                 " lacks the rest)"):
+        assert what in r.stdout, (what, r.stdout)
+    assert pffs("check", "--store", m.store, check=False).returncode == 0
+    assert folds(m.store) == 0
+    m.start()
+    for f in ("b", "c"):
+        assert [(m / f / "pages" / n).read_bytes() for n in names] == pages
+    assert os.listdir(m / "d" / "pages") == []
+    assert "removed 1 blobs" in gc(m.store)     # the page only d's fold held
 
 
 def test_check_refuses_a_mounted_store(mnt):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sqlite3
 import subprocess
 
 import pytest
@@ -158,6 +159,61 @@ def test_fork_into_a_partly_filled_pages_folder_keeps_what_is_there(mnt, bf16_pa
     assert sorted(os.listdir(mnt / "c" / "pages")) == [mf.page_name(i) for i in range(6)]
     assert (mnt / "c" / "pages" / "000003").read_bytes() == listed[3]
     assert (mnt / "c" / "pages" / "000001").read_bytes() == own
+
+
+def folds(mnt) -> int:
+    """Folded forks in the mounted store's namespace (read beside the daemon)."""
+    c = sqlite3.connect(f"file:{mnt.store / 'namespace.db'}?mode=ro", uri=True)
+    try:
+        return c.execute("SELECT COUNT(*) FROM folds").fetchone()[0]
+    finally:
+        c.close()
+
+
+def test_a_fork_is_one_row_until_its_folder_is_looked_into(mnt, bf16_pages, tmp_path):
+    """Every way into a folded fork's pages/ finds all its page files: a lookup, a listing,
+    a new name, rmdir, rm -r, a rename of the folder; stats count them all along."""
+    pages = varied_pages(bf16_pages, 4, salt=31)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    names = [mf.page_name(i) for i in range(4)]
+    before = stats(mnt)
+    for f in "bcdefg":
+        assert "4 pages" in pffs("fork", mnt / "a", mnt / f).stdout
+    assert folds(mnt) == 6
+    after = stats(mnt)
+    man = (mnt / "a" / "manifest.json").stat().st_size
+    assert after["files"] == before["files"] + 6 * 5
+    assert after["logical_bytes"] == before["logical_bytes"] + 6 * (sum(map(len, pages)) + man)
+    assert after["stored_bytes"] == before["stored_bytes"]
+    assert os.getxattr(mnt / "b" / "pages", "user.pffs.entries") == b"4"
+    # A lookup.
+    assert (mnt / "b" / "pages" / "000002").read_bytes() == pages[2]
+    assert folds(mnt) == 5
+    # A listing.
+    assert sorted(os.listdir(mnt / "c" / "pages")) == names
+    # A new name: the lookup that misses, then the create.
+    (mnt / "d" / "pages" / "extra").write_bytes(b"x")
+    assert sorted(os.listdir(mnt / "d" / "pages")) == names + ["extra"]
+    # rmdir finds it full; rm -r lists it, then removes every file.
+    with pytest.raises(OSError) as e:
+        os.rmdir(mnt / "e" / "pages")
+    assert e.value.errno == errno.ENOTEMPTY
+    subprocess.run(["rm", "-r", str(mnt / "e")], check=True)
+    assert not (mnt / "e").exists()
+    # The folder renamed: still folded, its files come with it.
+    os.rename(mnt / "f" / "pages", mnt / "f" / "moved")
+    assert folds(mnt) == 2
+    assert [(mnt / "f" / "moved" / n).read_bytes() for n in names] == pages
+    assert [(mnt / "g" / "pages" / n).read_bytes() for n in names] == pages
+    assert folds(mnt) == 0
+    inodes = {os.stat(mnt / f / d / n).st_ino for f, d in
+              (("a", "pages"), ("b", "pages"), ("c", "pages"), ("d", "pages"), ("f", "moved"), ("g", "pages"))
+              for n in names}
+    assert len(inodes) == 6 * 4
+    now = stats(mnt)
+    assert now["files"] == after["files"] - 5 + 1     # e's 5 files gone, d's extra
+    assert now["unique_bytes"] == before["unique_bytes"] + len(b"x")
 
 
 def test_pffs_fork_and_seal(mnt, bf16_pages, tmp_path):

@@ -165,7 +165,8 @@ class ContentStore:
         if self.max_size is not None:
             total = min(total, self.max_size)
             free = max(0, min(free, self.max_size - self.stored_bytes))
-        n_inodes = conn.execute("SELECT COUNT(*) FROM inodes").fetchone()[0]
+        n_inodes = conn.execute("SELECT (SELECT COUNT(*) FROM inodes)"
+                                " + (SELECT COALESCE(SUM(files), 0) FROM folds)").fetchone()[0]
         out = pyfuse3.StatvfsData()
         out.f_bsize = 1 << 20
         out.f_frsize = frsize

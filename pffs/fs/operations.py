@@ -287,12 +287,26 @@ class Operations(pyfuse3.Operations):
         else:
             ino = ns.lookup(self.db.ro, parent_inode, name)
             if ino is None:
-                raise FUSEError(errno.ENOENT)
+                ino = await self._lookup_folded(parent_inode, name)
         attr = self._getattr(ino)
         self._lookup_inc(ino)
         if name not in (b".", b".."):
             self._where[ino] = (parent_inode, name)
         return attr
+
+    async def _lookup_folded(self, parent: int, name: bytes) -> int:
+        """A name missing from *parent*: there after all once a folded fork there is unfolded."""
+        # One statement, one snapshot: an unfold committed between a lookup
+        # and a look at folds would otherwise hide the name.
+        ino, folded = self.db.ro.execute(
+            "SELECT (SELECT inode FROM dentries WHERE parent=:p AND name=:n),"
+            " EXISTS (SELECT 1 FROM folds WHERE dir=:p)", dict(p=parent, n=name)).fetchone()
+        if ino is None and folded:
+            await self.db.write(ns.unfold, parent)
+            ino = ns.lookup(self.db.ro, parent, name)
+        if ino is None:
+            raise FUSEError(errno.ENOENT)
+        return ino
 
     @handler
     async def forget(self, inode_list):
@@ -983,6 +997,8 @@ class Operations(pyfuse3.Operations):
         node = ns.get_inode(self.db.ro, inode)
         if not node.is_dir:
             raise FUSEError(errno.ENOTDIR)
+        if ns.is_folded(self.db.ro, inode):
+            await self.db.write(ns.unfold, inode)
         return inode
 
     @handler
@@ -1075,7 +1091,9 @@ class Operations(pyfuse3.Operations):
         if name == ENTRIES_XATTR:
             if not ns.get_inode(self.db.ro, inode).is_dir:
                 raise FUSEError(pyfuse3.ENOATTR)
-            n = self.db.ro.execute("SELECT COUNT(*) FROM dentries WHERE parent=?", (inode,)).fetchone()[0]
+            n = self.db.ro.execute(
+                "SELECT (SELECT COUNT(*) FROM dentries WHERE parent=:d)"
+                " + COALESCE((SELECT files FROM folds WHERE dir=:d), 0)", dict(d=inode)).fetchone()[0]
             return str(n).encode()
         row = self.db.ro.execute("SELECT value FROM xattrs WHERE inode=? AND name=?",
                                  (inode, name)).fetchone()
