@@ -11,7 +11,8 @@
    filesystem that does no work at all (benchmarks/fuse_floor.py): the round
    trips every pyfuse3 filesystem pays per file.
 3. Forks: `cp -r`, `pffs fork`, and the metadata-only recipe, beside (d)
-   starting the interpreter and (e) the recipe between two local folders.
+   starting the interpreter and (e) the recipe between two local folders;
+   then the first listing of the fork, which makes its page files' rows.
 4. `ls -l` of a 10,000-page session (and of 10,000 files of (c)), and the
    two quick forks again at that size, to show how they grow.
 Each is measured in --rounds rounds (3 by default; every write round into a
@@ -104,7 +105,9 @@ def quick_forks(m, name: str, n: int, local: Path, tag: str = "") -> tuple[float
     """Seconds for `pffs fork` (the command, then the same work in this process)
     and the metadata-only recipe, each forking session *name* of *n* pages;
     then two baselines: starting the interpreter that runs the command, and
-    the recipe between two folders of *local*, a local directory."""
+    the recipe between two folders of *local*, a local directory.  Last, the
+    first listing of the command's fork (which makes its page files' rows: a
+    fork into an empty pages/ is one row until then) beside a second one."""
     src = m / name
     t_cmd = timed(lambda: sh(*PFFS, "fork", str(src), str(m / f"{name}-fork{tag}")))
     t_inproc = timed(lambda: __import__("pffs.tools", fromlist=["fork"]).fork(
@@ -114,12 +117,16 @@ def quick_forks(m, name: str, n: int, local: Path, tag: str = "") -> tuple[float
         (b / "pages").mkdir(parents=True)
         shutil.copyfile(a / "manifest.json", b / "manifest.json")
     t_meta = timed(lambda: recipe(src, m / f"{name}-meta{tag}"))
-    for f in ("fork", "fork2", "meta"):
-        assert len(os.listdir(m / f"{name}-{f}{tag}" / "pages")) == n
+    listed = []
+    t_unfold = timed(lambda: listed.append(len(os.listdir(m / f"{name}-fork{tag}" / "pages"))))
+    t_relist = timed(lambda: listed.append(len(os.listdir(m / f"{name}-fork{tag}" / "pages"))))
+    for f in ("fork2", "meta"):
+        listed.append(len(os.listdir(m / f"{name}-{f}{tag}" / "pages")))
+    assert listed == [n] * 4
     t_python = timed(lambda: sh(sys.executable, "-c", "pass"))
     recipe(src, local / f"{name}-src{tag}")
     t_local = timed(lambda: recipe(local / f"{name}-src{tag}", local / f"{name}-meta{tag}"))
-    return t_cmd, t_inproc, t_meta, t_python, t_local
+    return t_cmd, t_inproc, t_meta, t_python, t_local, t_unfold, t_relist
 
 
 # The command as a user types it: the console script installed beside this
@@ -132,7 +139,8 @@ def print_quick_forks(runs: list[tuple[float, ...]]) -> None:
     """Median and every run of each of quick_forks' figures."""
     for label, col in (("pffs fork (command, incl. startup)", 0), ("pffs fork (the work itself)", 1),
                        ("mkdir pages + cp manifest.json", 2), ("(d) python -c pass", 3),
-                       ("(e) mkdir + cp in a local dir", 4)):
+                       ("(e) mkdir + cp in a local dir", 4),
+                       ("first ls of the fork (unfolds it)", 5), ("second ls of the fork", 6)):
         xs = [r[col] for r in runs]
         print(f"{label:34} {statistics.median(xs):8.4f}   ({each(xs, 4)})")
 

@@ -194,6 +194,7 @@ class Daemon:
         content.gc_lock = st.gc_lock
         content.recount = self.recount
         content.accepted = self.accepted_manifest
+        content.accepted_pages = self.accepted_pages
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
         self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
@@ -277,9 +278,14 @@ class Daemon:
         with self.db.rw_lock:
             return self.db.rw.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
 
-    def accepted_manifest(self, digest: str) -> list[str] | None:
-        """From a commit thread: the pages of a manifest already accepted with
-        these bytes (a fork's source), or None."""
+    def accepted_manifest(self, digest: str) -> int | None:
+        """From a commit thread: the page count of a manifest already accepted
+        with these bytes (a fork's source), or None."""
+        with self.db.rw_lock:
+            return namespace.recorded_count(self.db.rw, digest)
+
+    def accepted_pages(self, digest: str) -> list[str] | None:
+        """From a commit thread: the pages of a manifest already accepted with these bytes."""
         with self.db.rw_lock:
             return namespace.recorded_pages(self.db.rw, digest)
 

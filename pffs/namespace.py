@@ -725,17 +725,30 @@ def record_manifest(conn: sqlite3.Connection, ino: int, pages: list[str], digest
     The pages (gc roots) are rows of the manifest's bytes: a fork's manifest,
     byte for byte its source's, adds one ``manifests`` row and no page rows.
     """
-    old = conn.execute("SELECT digest FROM manifests WHERE inode=?", (ino,)).fetchone()
-    conn.execute("INSERT OR REPLACE INTO manifests (inode, n_pages, digest) VALUES (?,?,?)",
-                 (ino, len(pages), digest))
-    if old is not None and old[0] != digest:
-        _drop_unheld_pages(conn, old[0])
+    _record(conn, ino, len(pages), digest)
     have = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE manifest=?", (digest,)).fetchone()[0]
     if have == len(pages):
         return
     conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
     conn.executemany("INSERT INTO manifest_pages (manifest, page_ix, digest) VALUES (?,?,?)",
                      [(digest, i, d) for i, d in enumerate(pages)])
+
+
+def record_known_manifest(conn: sqlite3.Connection, ino: int, digest: str, n_pages: int) -> bool:
+    """:func:`record_manifest` for bytes whose page list of *n_pages* is recorded whole, without
+    reading it.  False, recording nothing, if that list is not whole (any more)."""
+    if recorded_count(conn, digest) != n_pages:
+        return False
+    _record(conn, ino, n_pages, digest)
+    return True
+
+
+def _record(conn: sqlite3.Connection, ino: int, n_pages: int, digest: str) -> None:
+    old = conn.execute("SELECT digest FROM manifests WHERE inode=?", (ino,)).fetchone()
+    conn.execute("INSERT OR REPLACE INTO manifests (inode, n_pages, digest) VALUES (?,?,?)",
+                 (ino, n_pages, digest))
+    if old is not None and old[0] != digest:
+        _drop_unheld_pages(conn, old[0])
 
 
 def forget_manifest(conn: sqlite3.Connection, ino: int) -> None:
@@ -760,6 +773,16 @@ def _drop_unheld_pages(conn: sqlite3.Connection, digest: str) -> None:
             return
         conn.execute("DELETE FROM pagesets WHERE id=?", (ps[0],))
     conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
+
+
+def recorded_count(conn: sqlite3.Connection, digest: str) -> int | None:
+    """The page count of a recorded manifest whose bytes have *digest*, if its page list is
+    whole (None: none recorded, or its list lacks rows)."""
+    found = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone()
+    if found is None:
+        return None
+    have = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE manifest=?", (digest,)).fetchone()[0]
+    return found[0] if have == found[0] else None
 
 
 def recorded_pages(conn: sqlite3.Connection, digest: str) -> list[str] | None:

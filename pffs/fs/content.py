@@ -10,10 +10,12 @@ fsync that makes the namespace rows naming them durable against power loss.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pyfuse3
 import trio
@@ -29,8 +31,15 @@ from .staging import Staging
 
 @dataclass
 class AcceptedManifest:
-    """Bytes identical to a manifest already accepted: its pages, known without parsing."""
-    pages: list[str]
+    """Bytes identical to a manifest already accepted: its page count, known without
+    parsing or reading its page list (see namespace.record_known_manifest)."""
+    n_pages: int
+    load: Callable[[], list[str]]
+
+    @property
+    def pages(self) -> list[str]:
+        """The page list (read from the namespace, or parsed if it went meanwhile)."""
+        return self.load()
 
 
 @dataclass
@@ -66,9 +75,11 @@ class ContentStore:
         # recount of stored bytes from the namespace (gc frees behind our back).
         self.gc_lock = None
         self.recount = None
-        # Set by the daemon: accepted(digest) gives the pages of a manifest
-        # already accepted with these bytes, or None (then they are parsed).
+        # Set by the daemon: accepted(digest) gives the page count of a
+        # manifest already accepted with these bytes, or None (then they are
+        # parsed); accepted_pages(digest) its pages, or None.
         self.accepted = None
+        self.accepted_pages = None
         # Set for an S3 store (pffs.remote): adopt(pages) gives the page
         # digests a manifest lists that the namespace does not know yet a
         # blob row each when the bucket holds them, so that forks find them.
@@ -102,6 +113,11 @@ class ContentStore:
                 self.adopt(stored.manifest.pages)
             return stored, then(stored)
 
+    def _pages_of(self, stg: Staging, digest: str) -> list[str]:
+        """The pages of staged manifest bytes accepted before: from the namespace, or parsed."""
+        pages = self.accepted_pages(digest) if self.accepted_pages is not None else None
+        return pages if pages is not None else mf.parse(stg.read(0, stg.size)).pages
+
     def _room_for(self, nbytes: int) -> bool:
         """Whether *nbytes* more stay within max_size (recounted before saying no)."""
         if self.stored_bytes + nbytes <= self.max_size:
@@ -122,9 +138,9 @@ class ContentStore:
                 if self.accepted is not None and 0 < size <= BLOCK_SIZE:
                     # A fork copies a manifest byte for byte: its checks passed already.
                     first = digest_of(stg.view(0))
-                    pages = self.accepted(first)
-                    if pages is not None:
-                        manifest = AcceptedManifest(pages)
+                    n = self.accepted(first)
+                    if n is not None:
+                        manifest = AcceptedManifest(n, functools.partial(self._pages_of, stg, first))
                 if manifest is None:
                     manifest = mf.parse(stg.read(0, size))
             except mf.ManifestError as e:

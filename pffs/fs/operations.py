@@ -32,7 +32,7 @@ from ..errors import IntegrityError, StoreFull, StoreUnavailable
 from ..namespace import BLOCK_SIZE, FsError
 from ..store.local import LocalBlobStore
 from .blobcache import BlobCache
-from .content import ContentStore
+from .content import AcceptedManifest, ContentStore
 from .db import Database, WorkerPool
 from .staging import MemoryBudget, Staging
 from .virtual import VirtualTree
@@ -906,9 +906,16 @@ class Operations(pyfuse3.Operations):
             ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
                            stg.mtime_ns, was_empty=was_empty)
             created = []
-            if stored.manifest is not None:
-                pages = stored.manifest.pages
-                ns.record_manifest(conn, ino, pages, stored.digest)
+            m = stored.manifest
+            if isinstance(m, AcceptedManifest):
+                # A fork's manifest: its page list is the accepted one's, unless
+                # that went with its last holder since (then it is parsed anew).
+                if not ns.record_known_manifest(conn, ino, stored.digest, m.n_pages):
+                    ns.record_manifest(conn, ino, mf.parse(stg.read(0, stored.size)).pages,
+                                       stored.digest)
+            elif m is not None:
+                ns.record_manifest(conn, ino, m.pages, stored.digest)
+            if m is not None:
                 for parent, name in ns.names_of(conn, ino):
                     if name == MANIFEST:
                         created += ns.fork_pages(conn, parent, stored.digest, uid, gid)
