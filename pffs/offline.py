@@ -143,6 +143,9 @@ class StoreSessionSource:
         self.dir = ino
         self.path = path
         p = ns.lookup(self.conn, ino, mf.PAGES_DIR.encode())
+        if p is not None and ns.is_folded(self.conn, p):
+            with ns.transaction(self.conn):   # a fork nothing looked into yet: its files first
+                ns.unfold(self.conn, p)
         self.pages_dir = p
 
     def _file(self, parent: int | None, name: str) -> int:

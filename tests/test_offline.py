@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -11,7 +12,7 @@ from mountutil import pffs
 from pffs import manifest as mf
 from pffs.errors import PffsError
 from pffs.offline import StoreSessionSink, StoreSessionSource
-from sessions import digest, make_manifest, varied_pages
+from sessions import digest, make_manifest, varied_pages, write_session
 
 
 def test_sink_then_mount(tmp_path, bf16_pages, mount_factory):
@@ -53,3 +54,18 @@ def test_sink_refuses_missing_pages(tmp_path, bf16_pages):
     sink.write_manifest(make_manifest(pages).to_json())
     with pytest.raises(PffsError, match="000001"):
         sink.commit()
+
+
+def test_source_reads_a_fork_a_mount_made(tmp_path, bf16_pages, mount_factory):
+    """A fork nothing has looked into yet (one row in the namespace) reads whole offline."""
+    store = tmp_path / "store"
+    pages = varied_pages(bf16_pages, 3, salt=21)
+    write_session(tmp_path / "a", pages)
+    mnt = mount_factory(store=store)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    pffs("fork", mnt / "a", mnt / "b")
+    assert mnt.stop() == 0
+    src = StoreSessionSource(store, "b")
+    assert [src.read_page(i) for i in range(3)] == pages
+    assert src.page_digest(2) == digest(pages[2])
+    src.close()
