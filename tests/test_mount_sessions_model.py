@@ -26,7 +26,7 @@ from pffs import tools
 from sessions import digest, make_manifest, varied_pages
 
 OPS = {"new": 3, "fork_cp": 3, "fork_al": 2, "fork_pffs": 3, "fork_meta": 3, "rewrite": 4,
-       "rm_page": 3, "replace_manifest": 3, "seal": 2, "rm": 2, "gc": 2}
+       "rm_page": 3, "replace_manifest": 3, "seal": 2, "rm": 2, "gc": 2, "stats": 2, "remount": 1}
 
 
 class Box:
@@ -43,8 +43,10 @@ class Session:
 
 
 class SessionFsx:
-    def __init__(self, root: Path, work: Path, pool: list[bytes], store: Path, seed: int):
+    def __init__(self, root: Path, work: Path, pool: list[bytes], store: Path, seed: int,
+                 remount=None):
         self.root, self.work, self.pool, self.store = root, work, pool, store
+        self.remount = remount    # unmounts (asserting exit 0) and mounts the store again
         self.rnd = random.Random(seed)
         self.by_digest = {digest(p): p for p in pool}
         self.sessions: dict[str, Session] = {}
@@ -197,6 +199,22 @@ class SessionFsx:
         del self.sessions[name]
         self.log.append(f"rm -r {name}")
 
+    def op_stats(self) -> None:
+        # Files count names (a hard link once per name), folded forks' files included.
+        st = json.loads((self.root / ".pffs" / "stats.json").read_text())
+        want = (sum(1 + len(s.pages) for s in self.sessions.values()),
+                sum(len(s.manifest.data) + sum(len(b.data) for b in s.pages.values())
+                    for s in self.sessions.values()))
+        if (st["files"], st["logical_bytes"]) != want:
+            self.fail(f"stats: {st['files']} files of {st['logical_bytes']} bytes, expected"
+                      f" {want[0]} of {want[1]}")
+        self.log.append(f"stats: {want[0]} files")
+
+    def op_remount(self) -> None:
+        if self.remount is not None:
+            self.remount()
+            self.log.append("unmounted and mounted again")
+
     def op_gc(self) -> None:
         r = pffs("gc", "--store", self.store, "--grace", "0")
         self.log.append(f"gc: {r.stdout.strip()}")
@@ -212,7 +230,10 @@ def test_random_session_work_matches_a_model(mount_factory, bf16_pages, tmp_path
     m = mount_factory()
     work = tmp_path / "work"
     work.mkdir()
-    fsx = SessionFsx(m.path, work, pool, m.store, seed)
+    def remount():
+        assert m.stop() == 0
+        m.start()
+    fsx = SessionFsx(m.path, work, pool, m.store, seed, remount)
     fsx.run(int(os.environ.get("SESSION_FSX_OPS", "60")))
     for name in sorted(fsx.sessions):
         fsx.verify(name)
