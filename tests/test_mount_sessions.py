@@ -291,6 +291,22 @@ def test_kill9_keeps_closed_files(mount_factory, bf16_pages):
     assert r.returncode != 0 and "in use" in r.stderr
 
 
+def test_kill9_keeps_a_fork_nothing_looked_into(mount_factory, bf16_pages, tmp_path):
+    """A fork whose manifest's close returned is there after kill -9, folded until listed."""
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 5, salt=32)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(m / "a")], check=True)
+    pffs("fork", m / "a", m / "b")
+    m.kill9()
+    m.start()
+    assert folds(m) == 1
+    assert os.getxattr(m / "b" / "pages", "user.pffs.entries") == b"5"
+    assert [(m / "b" / "pages" / mf.page_name(i)).read_bytes() for i in range(5)] == pages
+    assert sorted(os.listdir(m / "b" / "pages")) == [mf.page_name(i) for i in range(5)]
+    assert folds(m) == 0
+
+
 def test_truncate_by_path_while_open_for_reading_is_committed(mount_factory):
     m = mount_factory()
     (m / "t").write_bytes(b"x" * 1000)
