@@ -402,6 +402,17 @@ def test_repair_fixes_structure_without_losing_files(mount_factory, bf16_pages, 
     assert pffs("check", "--store", m.store, check=False).returncode == 0
 
 
+def damage(store, *statements: str) -> None:
+    """Change an unmounted store's namespace behind pffs's back, as damage would."""
+    conn = sqlite3.connect(store / "namespace.db")
+    try:
+        for stmt in statements:
+            conn.execute(stmt)
+        conn.commit()
+    finally:
+        conn.close()
+
+
 def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factory, bf16_pages, tmp_path):
     """A fork's page files hold their blobs through their manifest's page list, which
     stays while any of them is left, and goes with the last; check and repair know."""
@@ -437,11 +448,7 @@ def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factor
     assert len(os.listdir(m / "b" / "pages")) == 5    # unfolded: the fork's page rows
     run("rm", "-r", m / "a")
     assert m.stop() == 0
-    conn = sqlite3.connect(m.store / "namespace.db")
-    conn.execute("DELETE FROM pagesets")
-    conn.execute("DELETE FROM manifest_pages")
-    conn.commit()
-    conn.close()
+    damage(m.store, "DELETE FROM pagesets", "DELETE FROM manifest_pages")
     r = pffs("check", "--store", m.store, check=False)
     assert r.returncode == 1, r.stdout
     for what in ("5 blocks rows of forked pages name a blob",
@@ -501,10 +508,7 @@ def test_folded_forks_hold_their_pages_and_check_and_repair_unfold_them(mount_fa
     assert "removed 1 blobs" in gc(m.store)     # d's manifest; the folds hold every page
     assert m.stop() == 0
     assert folds(m.store) == 3
-    conn = sqlite3.connect(m.store / "namespace.db")
-    conn.execute("DELETE FROM manifest_pages")
-    conn.commit()
-    conn.close()
+    damage(m.store, "DELETE FROM manifest_pages")
     r = pffs("check", "--store", m.store, check=False)
     assert r.returncode == 1, r.stdout
     for what in ("/b/pages: a fork's 4 page files are folded here, and the page list they come from gives 0",
