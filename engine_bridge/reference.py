@@ -8,6 +8,9 @@ K/V only through it, gathered into a contiguous ``[len, heads, dim]`` tensor.
 So what a step computes depends on the tokens and the logical KV contents,
 never on which physical blocks hold them: a sequence paged out and paged
 into another engine continues bit for bit (same build, same batch shapes).
+On the CPU a step runs on a fixed number of intra-op threads (*threads*,
+default 1), so neither the host's load nor the BLAS library's own choice of
+thread count can change a sum's order between two runs.
 
 Scheduling follows vLLM: a sequence's tokens are prompt plus output, and
 its KV covers all but the newest token.  A step feeds, for every sequence
@@ -19,6 +22,7 @@ pick the next one, and keeps the restored KV as it is.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import asdict, dataclass, field
@@ -138,12 +142,15 @@ class ReferenceEngine:
                  device: str | torch.device = "cpu", kv_layout: str | KVLayout = FLASH_ATTN,
                  state_dict: Mapping[str, torch.Tensor] | None = None,
                  name: str = "reference", model_name: str = "pffs-reference",
-                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, threads: int = 1):
         self.config = c = config or ModelConfig()
+        if threads < 1:
+            raise ValueError("threads must be at least 1")
         if dtype not in ("f32", "bf16"):
             raise ValueError(f"dtype must be f32 or bf16, not {dtype!r}")
         self.dtype = TORCH_DTYPES[dtype]
         self.device = torch.device(device)
+        self.threads = threads
         self.name = name
         self.block_size = block_size
         if self.device.type == "cuda":
@@ -284,6 +291,10 @@ class ReferenceEngine:
 
     def step(self, seq_ids: Sequence[str] | None = None) -> dict[str, StepOutput]:
         """Run one step over a batch of sequences and append a greedy token to each."""
+        with self._fixed_threads():
+            return self._step(seq_ids)
+
+    def _step(self, seq_ids: Sequence[str] | None) -> dict[str, StepOutput]:
         ids = list(self.seqs if seq_ids is None else seq_ids)
         if len(set(ids)) != len(ids):
             raise ValueError("a sequence appears twice in the batch")
@@ -365,9 +376,23 @@ class ReferenceEngine:
         def attend(layer, q, k, v):
             return _attention(q, k, v, 0)
 
-        return self._logits(self._forward(toks, pos, attend))
+        with self._fixed_threads():
+            return self._logits(self._forward(toks, pos, attend))
 
     # ------------------------------------------------------------ internals
+
+    @contextlib.contextmanager
+    def _fixed_threads(self):
+        # torch's thread count is the calling thread's; it is put back after.
+        if self.device.type != "cpu" or torch.get_num_threads() == self.threads:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         if any(not 0 <= int(t) < self.config.vocab_size for t in tokens):

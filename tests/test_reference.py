@@ -34,6 +34,30 @@ def test_same_seed_same_bits(dtype):
         assert all(torch.equal(x, y) for x, y in zip(l1[sid], l2[sid]))
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_steps_run_on_the_engines_thread_count_whatever_the_callers(dtype):
+    before = torch.get_num_threads()
+    seen = []
+    e = ReferenceEngine(dtype=dtype, seed=3)
+    real_forward = e._forward
+    e._forward = lambda *a: (seen.append(torch.get_num_threads()), real_forward(*a))[1]
+    try:
+        torch.set_num_threads(2)
+        f1, t1, l1 = run(e, 3)
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        f2, t2, l2 = run(ReferenceEngine(dtype=dtype, seed=3), 3)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {e.threads} == {1}
+    assert t1 == t2
+    for sid in "ab":
+        assert torch.equal(f1[sid].logits, f2[sid].logits)
+        assert all(torch.equal(x, y) for x, y in zip(l1[sid], l2[sid]))
+    with pytest.raises(ValueError, match="threads"):
+        ReferenceEngine(threads=0)
+
+
 def test_other_seed_other_model():
     e1, e2 = ReferenceEngine(seed=1), ReferenceEngine(seed=2)
     assert e1.model_identity["revision"] != e2.model_identity["revision"]
