@@ -175,6 +175,17 @@ def folds_short(conn: sqlite3.Connection) -> dict[int, tuple[int, int]]:
         if files != gives}
 
 
+def wrong_whole_lists(conn: sqlite3.Connection) -> int:
+    """Rows of ``whole_lists`` that their page list and the blob rows no longer bear out."""
+    return conn.execute(
+        "SELECT COUNT(*) FROM whole_lists w LEFT JOIN (SELECT p.manifest, COUNT(b.digest) AS files,"
+        " COALESCE(SUM(b.raw_size), 0) AS bytes, COUNT(*) AS rows FROM manifest_pages p"
+        " LEFT JOIN blobs b ON b.digest = p.digest AND b.raw_size <= ? GROUP BY p.manifest) l"
+        " ON l.manifest = w.manifest"
+        " WHERE l.manifest IS NULL OR l.files != w.files OR l.rows != w.files OR l.bytes != w.bytes",
+        (BLOCK_SIZE,)).fetchone()[0]
+
+
 def short_page_lists(conn: sqlite3.Connection) -> list[tuple[str, int, int, int]]:
     """Recorded manifests whose page list has not one row per page: (digest, an inode holding it,
     pages, rows)."""
@@ -217,6 +228,9 @@ def _check_files(conn: sqlite3.Connection, r: Report) -> None:
                      " (SELECT 1 FROM folds f WHERE f.manifest = p.manifest)").fetchone()[0]
     if n:
         r.damage.append(f"{n} manifest_pages rows belong to manifests no file holds")
+    n = wrong_whole_lists(conn)
+    if n:
+        r.damage.append(f"{n} whole_lists rows say a page list is stored whole when it is not")
     n = conn.execute(f"SELECT COUNT(*) FROM blocks WHERE {UNPINNED_FORK_ROW}").fetchone()[0]
     if n:
         r.damage.append(f"{n} blocks rows of forked pages name a blob their manifest's page list lacks")

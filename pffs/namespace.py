@@ -24,7 +24,7 @@ from typing import Iterable
 from .errors import PffsError
 from .types import Digest, InodeNo
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -158,6 +158,17 @@ CREATE TABLE folds (
     bytes   INTEGER NOT NULL     -- their sizes summed
 );
 CREATE INDEX folds_manifest ON folds(manifest);
+
+-- Page lists found whole: every page stored (a blob row of at most one block
+-- each), so many files of so many bytes. A list's blobs are gc roots while
+-- it is held, so this stays true until the list goes, and this row with it
+-- (repair, which may drop blob rows, drops them all). It saves the next fork
+-- of those bytes into an empty pages/ a look at each page's blob row.
+CREATE TABLE whole_lists (
+    manifest TEXT PRIMARY KEY,   -- manifest_pages.manifest
+    files    INTEGER NOT NULL,
+    bytes    INTEGER NOT NULL
+) WITHOUT ROWID;
 """
 
 
@@ -329,6 +340,9 @@ MIGRATIONS: dict[int, list[str]] = {
         " mode INTEGER NOT NULL, t_ns INTEGER NOT NULL, files INTEGER NOT NULL,"
         " bytes INTEGER NOT NULL)",
         "CREATE INDEX folds_manifest ON folds(manifest)"],
+    # 5 -> 6: page lists found whole are remembered.
+    5: ["CREATE TABLE whole_lists (manifest TEXT PRIMARY KEY, files INTEGER NOT NULL,"
+        " bytes INTEGER NOT NULL) WITHOUT ROWID"],
 }
 
 
@@ -730,6 +744,7 @@ def record_manifest(conn: sqlite3.Connection, ino: int, pages: list[str], digest
     if have == len(pages):
         return
     conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
+    conn.execute("DELETE FROM whole_lists WHERE manifest=?", (digest,))
     conn.executemany("INSERT INTO manifest_pages (manifest, page_ix, digest) VALUES (?,?,?)",
                      [(digest, i, d) for i, d in enumerate(pages)])
 
@@ -773,6 +788,7 @@ def _drop_unheld_pages(conn: sqlite3.Connection, digest: str) -> None:
             return
         conn.execute("DELETE FROM pagesets WHERE id=?", (ps[0],))
     conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
+    conn.execute("DELETE FROM whole_lists WHERE manifest=?", (digest,))
 
 
 def recorded_count(conn: sqlite3.Connection, digest: str) -> int | None:
@@ -820,13 +836,20 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: i
     taken = conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (pdir,)).fetchone() is not None
     if not taken:
         listed = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (manifest,)).fetchone()
-        n, nbytes = conn.execute(
-            "SELECT COUNT(*), COALESCE(SUM(b.raw_size), 0) FROM manifest_pages p"
-            " JOIN blobs b ON b.digest = p.digest WHERE p.manifest = ? AND b.raw_size <= ?",
-            (manifest, BLOCK_SIZE)).fetchone()
+        whole = conn.execute("SELECT files, bytes FROM whole_lists WHERE manifest=?", (manifest,)).fetchone()
+        if whole is not None and listed is not None and whole[0] == listed[0]:
+            n, nbytes = whole
+        else:
+            n, nbytes = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(b.raw_size), 0) FROM manifest_pages p"
+                " JOIN blobs b ON b.digest = p.digest WHERE p.manifest = ? AND b.raw_size <= ?",
+                (manifest, BLOCK_SIZE)).fetchone()
         if n == 0:
             return []
         if listed is not None and n == listed[0]:
+            if whole is None:
+                conn.execute("INSERT OR REPLACE INTO whole_lists (manifest, files, bytes) VALUES (?,?,?)",
+                             (manifest, n, nbytes))
             conn.execute("INSERT INTO folds (dir, manifest, uid, gid, mode, t_ns, files, bytes)"
                          " VALUES (?,?,?,?,?,?,?,?)", (pdir, manifest, uid, gid, stat.S_IFREG | mode, t,
                                                        n, nbytes))

@@ -279,6 +279,9 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
     if n:
         _say(result, say, f"indexed {n} blocks rows of forked pages by blob again"
                           " (the page list that held them was gone)")
+    # What page lists were found whole is found again by the next fork (blob
+    # rows may go below).
+    conn.execute("DELETE FROM whole_lists")
     conn.execute("DELETE FROM pagesets WHERE NOT EXISTS (SELECT 1 FROM blocks b WHERE b.via = pagesets.id)")
     n = conn.execute("DELETE FROM manifest_pages WHERE manifest NOT IN (SELECT digest FROM manifests)"
                      " AND manifest NOT IN (SELECT manifest FROM pagesets)").rowcount

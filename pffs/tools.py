@@ -14,6 +14,7 @@ from .layout import MANIFEST_NAME, PAGES_DIR
 
 DIGEST_XATTR = "user.pffs.digest"
 ENTRIES_XATTR = "user.pffs.entries"
+FORK_XATTR = "user.pffs.fork"
 
 
 def pffs_root(path: Path) -> Path | None:
@@ -97,6 +98,11 @@ def fork(src: str, dst: str) -> int:
     rs, rd = pffs_root(s), pffs_root(d.parent)
     if rs is None or rd is None or rs != rd:
         raise PffsError("fork needs SRC and DST on the same mounted pffs")
+    # The daemon clones the manifest it holds; if it will not (another
+    # version, an S3 store, a manifest it has not accepted, a path it cannot
+    # follow as given), the bytes are copied, and their close says why.
+    if _clone_manifest(d, os.path.relpath(os.path.realpath(man), os.path.realpath(rs))):
+        return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
     data = man.read_bytes()
     try:
         place_manifest(d, data)
@@ -110,6 +116,24 @@ def fork(src: str, dst: str) -> int:
     # The number of page files, without listing them (10,000 names cost a
     # tenth of a second through FUSE).
     return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
+
+
+def _clone_manifest(d: Path, rel: str) -> bool:
+    """Make folder *d* with an empty ``pages/``, and ask the daemon for a
+    manifest.json holding the blob of the one at *rel* (from the mount's
+    root).  False, with *d* removed again, if it will not."""
+    try:
+        d.mkdir()
+    except OSError:
+        return False  # (the copy's mkdir says why)
+    try:
+        (d / PAGES_DIR).mkdir()
+        os.setxattr(d, FORK_XATTR, os.fsencode(rel))
+        return True
+    except OSError:
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
+        return False
 
 
 def place_manifest(d: Path, data: bytes) -> None:

@@ -203,13 +203,15 @@ SCHEMA_3_BLOCKS = [
 ]
 # Schema 4 had no folded forks.
 SCHEMA_4_FOLDS = ["DROP TABLE folds"]
+SCHEMA_5_WHOLE_LISTS = ["DROP TABLE whole_lists"]
 
 
 def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_path):
     """Schema 1 had an index of names across directories (dentries_name);
     schemas 1 and 2 kept a page list per manifest file, schema 3 one per
     manifest's bytes; schemas 1-3 indexed every blocks row by blob; schemas
-    1-4 made a fork's page files at once (no folds)."""
+    1-4 made a fork's page files at once (no folds); schemas 1-5 did not
+    remember which page lists were found whole."""
     m = mount_factory()
     pages = varied_pages(bf16_pages, 3, salt=55)
     write_session(tmp_path / "s", pages)
@@ -219,7 +221,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
     for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS, *SCHEMA_3_BLOCKS,
-                 *SCHEMA_4_FOLDS]:
+                 *SCHEMA_4_FOLDS, *SCHEMA_5_WHOLE_LISTS]:
         conn.execute(stmt)
     conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     conn.commit()
@@ -411,6 +413,25 @@ def damage(store, *statements: str) -> None:
         conn.commit()
     finally:
         conn.close()
+
+
+def test_check_finds_a_page_list_wrongly_called_whole_and_repair_drops_it(mount_factory, bf16_pages,
+                                                                          tmp_path):
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 4, salt=61)
+    write_session(tmp_path / "a", pages)
+    cp_session(tmp_path / "a", m / "a")
+    pffs("fork", m / "a", m / "b")
+    assert m.stop() == 0
+    assert pffs("check", "--store", m.store, check=False).returncode == 0
+    damage(m.store, "UPDATE whole_lists SET bytes = bytes + 1")
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1 and "1 whole_lists rows say a page list is stored whole" in r.stdout, r.stdout
+    assert pffs("check", "--store", m.store, "--repair", check=False).returncode == 0
+    assert pffs("check", "--store", m.store, check=False).returncode == 0
+    m.start()
+    assert "4 pages" in pffs("fork", m / "b", m / "c").stdout
+    assert [(m / "c" / "pages" / mf.page_name(i)).read_bytes() for i in range(4)] == pages
 
 
 def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factory, bf16_pages, tmp_path):

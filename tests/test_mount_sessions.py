@@ -241,6 +241,124 @@ def test_pffs_fork_and_seal(mnt, bf16_pages, tmp_path):
     assert r.returncode != 0 and "000002" in r.stderr
 
 
+def whole_lists(mnt) -> list[tuple[str, int, int]]:
+    c = sqlite3.connect(f"file:{mnt.store / 'namespace.db'}?mode=ro", uri=True)
+    try:
+        return c.execute("SELECT manifest, files, bytes FROM whole_lists").fetchall()
+    finally:
+        c.close()
+
+
+def test_the_fork_xattr_gives_a_folder_the_manifest_it_names(mnt, bf16_pages, tmp_path):
+    """What `pffs fork` asks of the daemon: setxattr(DST, user.pffs.fork, path of SRC's
+    manifest.json from the mount's root) makes DST/manifest.json hold that blob, and the
+    pages appear, with no byte of the manifest written; every refusal leaves DST as it was."""
+    pages = varied_pages(bf16_pages, 5, salt=41)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    man = (mnt / "a" / "manifest.json").read_bytes()
+    before = stats(mnt)
+    (mnt / "b" / "pages").mkdir(parents=True)
+    os.setxattr(mnt / "b", "user.pffs.fork", b"a/manifest.json")
+    assert (mnt / "b" / "manifest.json").read_bytes() == man
+    assert os.getxattr(mnt / "b" / "manifest.json", "user.pffs.digest") == digest(man).encode()
+    assert os.stat(mnt / "b" / "manifest.json").st_ino != os.stat(mnt / "a" / "manifest.json").st_ino
+    assert os.getxattr(mnt / "b" / "pages", "user.pffs.entries") == b"5"
+    assert [(mnt / "b" / "pages" / mf.page_name(i)).read_bytes() for i in range(5)] == pages
+    now = stats(mnt)
+    assert now["sessions"] == before["sessions"] + 1
+    assert now["stored_bytes"] == before["stored_bytes"]
+    assert now["logical_bytes"] == before["logical_bytes"] + len(man) + sum(map(len, pages))
+    # Write-only and unlisted.
+    with pytest.raises(OSError) as e:
+        os.getxattr(mnt / "b", "user.pffs.fork")
+    assert e.value.errno == errno.ENODATA
+    assert "user.pffs.fork" not in os.listxattr(mnt / "b")
+    # Refusals.
+    (mnt / "c" / "pages").mkdir(parents=True)
+    (mnt / "notes").write_bytes(b"{}")
+    for value, err in ((b"a/manifest.json", errno.EEXIST),   # (into b, which has one)
+                       ):
+        with pytest.raises(OSError) as e:
+            os.setxattr(mnt / "b", "user.pffs.fork", value)
+        assert e.value.errno == err
+    for value, err in ((b"a/pages/000001", errno.EINVAL), (b"notes", errno.EINVAL),
+                       (b"a/../a/manifest.json", errno.EINVAL), (b".pffs/version", errno.EINVAL),
+                       (b"nothing/manifest.json", errno.ENOENT), (b"notes/manifest.json", errno.ENOTDIR),
+                       (b"a", errno.EINVAL)):
+        with pytest.raises(OSError) as e:
+            os.setxattr(mnt / "c", "user.pffs.fork", value)
+        assert e.value.errno == err, value
+    assert os.listdir(mnt / "c") == ["pages"] and os.listdir(mnt / "c" / "pages") == []
+
+
+def test_the_fork_xattr_checks_permissions_as_the_kernel_would(mount_factory, bf16_pages, tmp_path):
+    """nobody may fork, into a folder of its own, a manifest it may read, and no other:
+    search permission on each folder on the way, read permission on the file."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+    top = Path(tempfile.mkdtemp(prefix="pffs-fork-perm-"))   # other users must reach the mount
+    os.chmod(top, 0o755)
+    try:
+        mnt = mount_factory(root=top / "m", store=tmp_path / "store", opts=["allow_other"])
+        os.chmod(top / "m", 0o755)
+        os.chmod(mnt.path, 0o755)
+        pages = varied_pages(bf16_pages, 3, salt=42)
+        write_session(tmp_path / "a", pages)
+        (mnt / "t").mkdir()
+        subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "t" / "a")], check=True)
+        for f in ("n1", "n2", "n3"):
+            (mnt / f / "pages").mkdir(parents=True)
+            os.chown(mnt / f, 65534, 65534)
+
+        def as_nobody(folder: str) -> subprocess.CompletedProcess:
+            code = f"import os; os.setxattr({str(mnt / folder)!r}, 'user.pffs.fork', b't/a/manifest.json')"
+            return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                   "/usr/bin/python3", "-c", code], cwd="/", capture_output=True, text=True,
+                                  timeout=60)
+        r = as_nobody("n1")
+        assert r.returncode == 0, r.stderr
+        st = os.stat(mnt / "n1" / "manifest.json")
+        assert (st.st_uid, st.st_gid) == (65534, 65534)
+        assert [os.stat(mnt / "n1" / "pages" / mf.page_name(i)).st_uid for i in range(3)] == [65534] * 3
+        os.chmod(mnt / "t" / "a" / "manifest.json", 0o600)
+        r = as_nobody("n2")
+        assert r.returncode != 0 and "Permission denied" in r.stderr
+        os.chmod(mnt / "t" / "a" / "manifest.json", 0o644)
+        os.chmod(mnt / "t", 0o700)
+        r = as_nobody("n3")
+        assert r.returncode != 0 and "Permission denied" in r.stderr
+        for f in ("n2", "n3"):
+            assert os.listdir(mnt / f) == ["pages"] and os.listdir(mnt / f / "pages") == []
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_page_list_found_whole_is_remembered_until_it_goes(mnt, bf16_pages, tmp_path):
+    """The first fold of a manifest's bytes counts their stored pages; later forks of those
+    bytes take the count from whole_lists, which goes with the page list."""
+    pages = varied_pages(bf16_pages, 6, salt=43)
+    write_session(tmp_path / "a", pages)
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "a")], check=True)
+    d = digest((mnt / "a" / "manifest.json").read_bytes())
+    assert whole_lists(mnt) == []
+    pffs("fork", mnt / "a", mnt / "b")
+    assert whole_lists(mnt) == [(d, 6, sum(map(len, pages)))]
+    assert len(os.listdir(mnt / "b" / "pages")) == 6        # unfolded: the row stays
+    for f in "cd":
+        assert "6 pages" in pffs("fork", mnt / "b", mnt / f).stdout
+    assert [(mnt / "d" / "pages" / mf.page_name(i)).read_bytes() for i in range(6)] == pages
+    # An incomplete session's list is not whole.
+    m = make_manifest(pages[:2] + varied_pages(bf16_pages, 1, salt=44))
+    (mnt / "e" / "pages").mkdir(parents=True)
+    (mnt / "e" / "manifest.json").write_bytes(m.to_json())
+    assert len(os.listdir(mnt / "e" / "pages")) == 2
+    assert len(whole_lists(mnt)) == 1
+    subprocess.run(["rm", "-r", *(str(mnt / f) for f in "abcd")], check=True)
+    assert whole_lists(mnt) == []
+
+
 def test_pffs_fork_of_a_refused_manifest_says_why(mnt):
     # Only a file that takes the name is validated: a symlink named
     # manifest.json may point at anything, and the fork's copy is refused.

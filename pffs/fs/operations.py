@@ -46,6 +46,11 @@ DIGEST_XATTR = b"user.pffs.digest"
 # Directories: how many names they hold (read-only, not listed, like the digest).
 ENTRIES_XATTR = b"user.pffs.entries"
 READONLY_XATTRS = (DIGEST_XATTR, ENTRIES_XATTR)
+# Write-only, on a session folder holding an empty pages/ (what `pffs fork`
+# makes): its value, a path from the mount's root to a valid manifest.json,
+# gives the folder a manifest.json holding the same blob, and the pages as a
+# metadata-only fork would.  No byte of the manifest crosses FUSE.
+FORK_XATTR = b"user.pffs.fork"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
 PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
@@ -92,6 +97,17 @@ def handler(fn):
                 n, total = TIMING.get(name, (0, 0.0))
                 TIMING[name] = (n + 1, total + time.perf_counter() - t0)
     return wrapper
+
+
+def _may(node: ns.Inode, ctx, bit: int) -> bool:
+    """Whether the caller of *ctx* has permission *bit* (4 read, 1 search) on *node*."""
+    if ctx.uid == 0:
+        return True
+    if ctx.uid == node.uid:
+        return bool(node.mode & (bit << 6))
+    if ctx.gid == node.gid:
+        return bool(node.mode & (bit << 3))
+    return bool(node.mode & bit)
 
 
 @dataclass
@@ -530,6 +546,67 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.EAGAIN, "manifest changed while it was being validated")
         ns.record_manifest(conn, ino, pages, digest)
         return ns.fork_pages(conn, parent, digest, uid, gid)
+
+    def _resolve_readable(self, path: bytes, ctx) -> int:
+        """The inode at *path* (from the mount's root) that the caller may read:
+        search permission on every folder on the way, read permission on the
+        file, as the kernel would check them (the caller's supplementary
+        groups are not known here: they do not count)."""
+        ino = ns.ROOT_INODE
+        names = [n for n in path.split(b"/") if n and n != b"."]
+        for i, name in enumerate(names):
+            node = ns.get_inode(self.db.ro, ino)
+            if not node.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not _may(node, ctx, 1):
+                raise FsError(errno.EACCES)
+            if name == b".." or self.virtual.reserved(ino, name):
+                raise FsError(errno.EINVAL)
+            found = ns.lookup(self.db.ro, ino, name)
+            if found is None:
+                raise FsError(errno.ENOENT)
+            ino = found
+        node = ns.get_inode(self.db.ro, ino)
+        if not node.is_reg:
+            raise FsError(errno.EINVAL)
+        if not _may(node, ctx, 4):
+            raise FsError(errno.EACCES)
+        return ino
+
+    async def _fork_into(self, folder: int, value: bytes, ctx) -> None:
+        """``setxattr(folder, user.pffs.fork, path)``: see FORK_XATTR.
+
+        EINVAL when *path* is not a manifest.json accepted as valid (the
+        caller then copies its bytes, whose close says why), EEXIST when the
+        folder has a manifest.json, EOPNOTSUPP on an S3 store (whose forks
+        adopt pages from the bucket as the manifest's close does).
+        """
+        if self.content.adopt is not None:
+            raise FUSEError(errno.EOPNOTSUPP)
+        src = self._resolve_readable(value, ctx)
+        st = self.states.get(src)
+        if st is not None and st.staging is not None and st.staging.dirty:
+            async with st.lock:
+                await self._commit(src, st)
+        uid, gid = ctx.uid, ctx.gid
+
+        def fn(conn):
+            row = conn.execute("SELECT n_pages, digest FROM manifests WHERE inode=?", (src,)).fetchone()
+            node = ns.get_inode(conn, src)
+            if row is None or node.digest != row[1]:
+                raise FsError(errno.EINVAL, "not an accepted manifest")
+            n_pages, digest = row
+            blocks = ns.blocks_of(conn, src)
+            new = ns.make_inode(conn, folder, MANIFEST, stat.S_IFREG | 0o644, uid, gid)
+            ns.set_content(conn, new.id, node.size, digest, blocks, [], None, new.ctime_ns,
+                           was_empty=True)
+            if not ns.record_known_manifest(conn, new.id, digest, n_pages):
+                raise FsError(errno.EINVAL, "its page list is not recorded whole")
+            return ns.fork_pages(conn, folder, digest, uid, gid)
+
+        created = await self.db.write(fn)
+        self._notify("inode", folder, True)
+        self._announce(created)
 
     def _announce(self, created) -> None:
         """Tell the kernel about page files that appeared by themselves (forks).
@@ -1063,6 +1140,8 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EPERM)
         if name in READONLY_XATTRS:
             raise FUSEError(errno.EPERM)
+        if name == FORK_XATTR:
+            return await self._fork_into(inode, value, ctx)
         self._xattr_ns_ok(name)
         if len(value) > XATTR_SIZE_MAX:
             raise FUSEError(errno.E2BIG)
