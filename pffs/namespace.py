@@ -797,6 +797,9 @@ def recorded_count(conn: sqlite3.Connection, digest: str) -> int | None:
     found = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone()
     if found is None:
         return None
+    whole = conn.execute("SELECT files FROM whole_lists WHERE manifest=?", (digest,)).fetchone()
+    if whole is not None and whole[0] == found[0]:
+        return found[0]  # (found whole: one row a page, and the list goes only at once)
     have = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE manifest=?", (digest,)).fetchone()[0]
     return found[0] if have == found[0] else None
 
