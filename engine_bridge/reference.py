@@ -384,10 +384,10 @@ class ReferenceEngine:
     @contextlib.contextmanager
     def _fixed_threads(self):
         # torch's thread count is the calling thread's; it is put back after.
-        if self.device.type != "cpu" or torch.get_num_threads() == self.threads:
+        before = torch.get_num_threads()
+        if self.device.type != "cpu" or before == self.threads:
             yield
             return
-        before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
             yield

@@ -797,11 +797,16 @@ def recorded_count(conn: sqlite3.Connection, digest: str) -> int | None:
     found = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone()
     if found is None:
         return None
-    whole = conn.execute("SELECT files FROM whole_lists WHERE manifest=?", (digest,)).fetchone()
-    if whole is not None and whole[0] == found[0]:
+    if _found_whole(conn, digest, found[0]) is not None:
         return found[0]  # (found whole: one row a page, and the list goes only at once)
     have = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE manifest=?", (digest,)).fetchone()[0]
     return found[0] if have == found[0] else None
+
+
+def _found_whole(conn: sqlite3.Connection, digest: str, n_pages: int) -> tuple[int, int] | None:
+    """(files, bytes) of the page list of *digest* if it was found whole with *n_pages* pages."""
+    row = conn.execute("SELECT files, bytes FROM whole_lists WHERE manifest=?", (digest,)).fetchone()
+    return row if row is not None and row[0] == n_pages else None
 
 
 def recorded_pages(conn: sqlite3.Connection, digest: str) -> list[str] | None:
@@ -839,8 +844,8 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: i
     taken = conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (pdir,)).fetchone() is not None
     if not taken:
         listed = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (manifest,)).fetchone()
-        whole = conn.execute("SELECT files, bytes FROM whole_lists WHERE manifest=?", (manifest,)).fetchone()
-        if whole is not None and listed is not None and whole[0] == listed[0]:
+        whole = _found_whole(conn, manifest, listed[0]) if listed is not None else None
+        if whole is not None:
             n, nbytes = whole
         else:
             n, nbytes = conn.execute(

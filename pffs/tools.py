@@ -101,8 +101,12 @@ def fork(src: str, dst: str) -> int:
     # The daemon clones the manifest it holds; if it will not (another
     # version, an S3 store, a manifest it has not accepted, a path it cannot
     # follow as given), the bytes are copied, and their close says why.
-    if _clone_manifest(d, os.path.relpath(os.path.realpath(man), os.path.realpath(rs))):
+    rel = os.fsencode(os.path.relpath(os.path.realpath(man), os.path.realpath(rs)))
+    try:
+        _make_session(d, lambda: os.setxattr(d, FORK_XATTR, rel))
         return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
+    except PffsError:
+        pass
     data = man.read_bytes()
     try:
         place_manifest(d, data)
@@ -118,24 +122,6 @@ def fork(src: str, dst: str) -> int:
     return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
 
 
-def _clone_manifest(d: Path, rel: str) -> bool:
-    """Make folder *d* with an empty ``pages/``, and ask the daemon for a
-    manifest.json holding the blob of the one at *rel* (from the mount's
-    root).  False, with *d* removed again, if it will not."""
-    try:
-        d.mkdir()
-    except OSError:
-        return False  # (the copy's mkdir says why)
-    try:
-        (d / PAGES_DIR).mkdir()
-        os.setxattr(d, FORK_XATTR, os.fsencode(rel))
-        return True
-    except OSError:
-        import shutil
-        shutil.rmtree(d, ignore_errors=True)
-        return False
-
-
 def place_manifest(d: Path, data: bytes) -> None:
     """Make session folder *d* with an empty ``pages/``, then write its manifest.json.
 
@@ -143,9 +129,7 @@ def place_manifest(d: Path, data: bytes) -> None:
     listed page whose blob is stored appear (the metadata-only fork).  On any
     failure *d* is removed again.
     """
-    d.mkdir()
-    try:
-        (d / PAGES_DIR).mkdir()
+    def write():
         fd = os.open(d / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -153,6 +137,16 @@ def place_manifest(d: Path, data: bytes) -> None:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
+    _make_session(d, write)
+
+
+def _make_session(d: Path, give_manifest) -> None:
+    """Make folder *d* and an empty ``d/pages/``, then ``give_manifest()``; on an
+    OSError after *d* exists, *d* is removed again and PffsError says why."""
+    d.mkdir()
+    try:
+        (d / PAGES_DIR).mkdir()
+        give_manifest()
     except OSError as e:
         import shutil
         shutil.rmtree(d, ignore_errors=True)

@@ -553,8 +553,7 @@ class Operations(pyfuse3.Operations):
         file, as the kernel would check them (the caller's supplementary
         groups are not known here: they do not count)."""
         ino = ns.ROOT_INODE
-        names = [n for n in path.split(b"/") if n and n != b"."]
-        for i, name in enumerate(names):
+        for name in (n for n in path.split(b"/") if n and n != b"."):
             node = ns.get_inode(self.db.ro, ino)
             if not node.is_dir:
                 raise FsError(errno.ENOTDIR)
