@@ -6,6 +6,7 @@ filesystem.  Layout of the package:
 - :mod:`.pool` — describing a pool (layouts, dtypes), gathering/scattering blocks
 - :mod:`.staging` — bounded host staging buffers and the copy stream
 - :mod:`.sessions` — where sessions go: sinks/sources, plain or mounted directories
+- :mod:`.direct` — page bytes straight to and from a mounted pffs's store
 - :mod:`.bridge` — page out / page in and what page-in checks
 - :mod:`.allocator` — a reference-counting block allocator
 - :mod:`.reference` — the reference engine (a small Llama-style transformer)
@@ -17,13 +18,14 @@ filesystem.  Layout of the package:
 
 from .allocator import RefCountingAllocator
 from .bridge import SUPPORTED_LAYOUTS, Bridge, PageInResult, SeqBlocks, config_sha256
-from .errors import (BridgeError, DigestMismatch, IncompleteSession, InvalidSession,
+from .errors import (BridgeError, DamagedPage, DigestMismatch, IncompleteSession, InvalidSession,
                      MismatchError, ModelMismatch, NoFreeBlocks, PageError, PageInError,
                      PageOutError, Refused, SourceChanged, WrongSizePage)
 from .pool import (DEFAULT_KV, FLASH_ATTN, FLASHINFER, FLASHINFER_HND, LAYOUTS, BlockAllocator,
                    BlockId, KVLayout, KVPool, dtype_name)
+from .direct import DirectSink, DirectSource, as_sink, as_source, store_access
 from .sessions import (DIGEST_XATTR, DirSink, DirSource, MemorySession, SessionSink,
-                       SessionSource, as_sink, as_source)
+                       SessionSource)
 from .staging import DEFAULT_STAGING_BYTES, Staging
 
 __all__ = [
@@ -31,8 +33,8 @@ __all__ = [
     "KVPool", "KVLayout", "BlockId", "BlockAllocator", "LAYOUTS", "FLASH_ATTN", "FLASHINFER",
     "FLASHINFER_HND", "DEFAULT_KV", "dtype_name", "RefCountingAllocator",
     "SessionSink", "SessionSource", "DirSink", "DirSource", "MemorySession", "as_sink",
-    "as_source", "DIGEST_XATTR", "Staging", "DEFAULT_STAGING_BYTES",
+    "as_source", "DirectSink", "DirectSource", "store_access", "DIGEST_XATTR", "Staging", "DEFAULT_STAGING_BYTES",
     "BridgeError", "PageOutError", "PageInError", "InvalidSession", "IncompleteSession",
     "MismatchError", "ModelMismatch", "PageError", "WrongSizePage", "DigestMismatch",
-    "SourceChanged", "NoFreeBlocks", "Refused",
+    "SourceChanged", "NoFreeBlocks", "Refused", "DamagedPage",
 ]

@@ -28,10 +28,11 @@ from pffs.manifest import LAYOUTS as PAGE_LAYOUTS
 from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse
 from pffs.types import Digest, digest_of
 
-from .errors import (DigestMismatch, IncompleteSession, InvalidSession, MismatchError,
+from .errors import (DamagedPage, DigestMismatch, IncompleteSession, InvalidSession, MismatchError,
                      ModelMismatch, NoFreeBlocks, PageOutError, SourceChanged, WrongSizePage)
 from .pool import DEFAULT_KV, BlockAllocator, BlockId, KVPool
-from .sessions import SessionSource, SinkLike, SourceLike, as_sink, as_source
+from .direct import as_sink, as_source
+from .sessions import SessionSource, SinkLike, SourceLike
 from .staging import DEFAULT_STAGING_BYTES, Staging, batches
 
 #: The page-byte layouts this bridge reads and writes.
@@ -345,6 +346,10 @@ class Bridge:
             raise WrongSizePage(ix, f"{size} bytes, the session's geometry makes pages of {want}")
         got = digest_of(row)
         if got != manifest.pages[ix]:
+            why = getattr(source, "why_mismatch", None)
+            why = why(ix) if why is not None else None
+            if why is not None:
+                raise DamagedPage(ix, why)
             cls, what = (SourceChanged, "changed while being paged in: ") if again else (DigestMismatch, "")
             raise cls(ix, f"{what}its sha256 is {got}, manifest.json lists {manifest.pages[ix]}")
 

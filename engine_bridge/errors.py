@@ -70,6 +70,12 @@ class DigestMismatch(PageError):
     """A page file whose sha256 is not the digest manifest.json lists."""
 
 
+class DamagedPage(PageError):
+    """A page whose blob in the store is damaged (read by the direct path): never loaded."""
+
+    errno = _errno.EIO
+
+
 class SourceChanged(DigestMismatch):
     """A page changed between verification and loading (a concurrent writer)."""
 

@@ -243,21 +243,3 @@ class MemorySession:
 
     def page_digest(self, ix: int) -> Digest | None:
         return self.digests.get(ix)
-
-
-def as_sink(dest: SinkLike) -> SessionSink:
-    """A sink for *dest*: itself if it is one, a :class:`DirSink` for a path."""
-    if isinstance(dest, (str, os.PathLike)):
-        return DirSink(dest)
-    if isinstance(dest, SessionSink):
-        return dest
-    raise TypeError(f"not a session sink or path: {dest!r}")
-
-
-def as_source(src: SourceLike) -> SessionSource:
-    """A source for *src*: itself if it is one, a :class:`DirSource` for a path."""
-    if isinstance(src, (str, os.PathLike)):
-        return DirSource(src)
-    if isinstance(src, SessionSource):
-        return src
-    raise TypeError(f"not a session source or path: {src!r}")

@@ -274,3 +274,47 @@ def decode(frame, max_raw: int = MAX_RAW, *, check_crc: bool = True) -> bytes:
     if check_crc and zlib.crc32(raw) != hdr.crc32:
         raise CodecError("crc32 of the decoded bytes does not match the header")
     return raw
+
+
+def decode_into(frame, out, *, check_crc: bool = True) -> int:
+    """Decode *frame* straight into *out* (a writable buffer); returns the raw length.
+
+    When the frame's raw length is not ``len(out)`` nothing is written and
+    that length is returned, so a caller can name the wrong size.  Same
+    checks as :func:`decode`.
+    """
+    hdr = read_header(frame)
+    dst = memoryview(out).cast("B")
+    if hdr.raw_len != len(dst):
+        return hdr.raw_len
+    payload = memoryview(frame)[HEADER_SIZE:]
+    if hdr.codec.id == CODEC_PLANES_ZSTD and hdr.raw_len % 2 == 0:
+        half = hdr.raw_len // 2
+        pos = 0
+        planes = []
+        for bit in (FLAG_LO_ZSTD, FLAG_HI_ZSTD):
+            if pos + 4 > len(payload):
+                raise CodecError("planes frame truncated")
+            (n,) = _PLANE_LEN.unpack_from(payload, pos)
+            pos += 4
+            part = payload[pos:pos + n]
+            if len(part) != n:
+                raise CodecError("planes frame truncated")
+            pos += n
+            if hdr.flags & bit:
+                planes.append(_zstd_decode(part, half))
+            elif n != half:
+                raise CodecError(f"raw plane holds {n} bytes, expected {half}")
+            else:
+                planes.append(part)
+        if pos != len(payload):
+            raise CodecError("planes frame has a wrong tail length")
+        w = np.frombuffer(dst, dtype="<u2")
+        w[:] = np.frombuffer(planes[1], dtype=np.uint8)
+        w <<= 8
+        w |= np.frombuffer(planes[0], dtype=np.uint8)
+    else:
+        dst[:] = decode(frame, max(hdr.raw_len, 1), check_crc=False)
+    if check_crc and zlib.crc32(dst) != hdr.crc32:
+        raise CodecError("crc32 of the decoded bytes does not match the header")
+    return hdr.raw_len

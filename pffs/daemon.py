@@ -26,6 +26,7 @@ import trio
 
 from . import namespace
 from .errors import PffsError
+from .store.local import LocalBlobStore
 from .storedir import StoreDir
 
 log = logging.getLogger("pffs.daemon")
@@ -158,6 +159,7 @@ class Daemon:
         self.live = None    # pffs.live.server.LiveEngines: the engine socket and engines/
 
     def prepare(self) -> None:
+        from .fs import direct
         from .fs.content import ContentStore
         from .fs.db import Database
         from .fs.operations import Operations
@@ -198,6 +200,10 @@ class Daemon:
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
         self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
+        self.ops.virtual.store_json = direct.store_json(direct.store_info(st, self.opts))
+        if isinstance(st.blobs, LocalBlobStore):
+            # Pages an engine's bridge put beside the mount (pffs.fs.direct).
+            content.adopt = direct.LocalAdopter(self.db, st.blobs, on_stored=self._stored)
         from .live.server import LiveEngines
         self.live = LiveEngines(st.socket_path)
         self.live.listen()
@@ -272,6 +278,10 @@ class Daemon:
             if time.monotonic() - last_snapshot >= self.opts.snapshot_interval:
                 last_snapshot = time.monotonic()
                 await trio.to_thread.run_sync(self.snapshot, limiter=self.db.limiter)
+
+    def _stored(self, nbytes: int) -> None:
+        """From a commit thread: blob bytes adopted into the namespace."""
+        self.ops.content.stored_bytes += nbytes
 
     def recount(self) -> int:
         """Stored bytes of every indexed blob (from a worker thread)."""

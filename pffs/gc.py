@@ -49,6 +49,7 @@ class GcResult:
     temp_removed: int = 0
     young: int = 0                # unnamed blobs kept because they are within the grace period
     raced: int = 0                # candidates a writer named (or refreshed) before gc got to them
+    pinned: int = 0               # candidates a writer outside the daemon pinned (see GcLock.pin)
     removed_digests: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -57,6 +58,8 @@ class GcResult:
                  f"{self.live} live blobs kept"]
         if self.young:
             parts.append(f"{self.young} unnamed blobs younger than the grace period kept")
+        if self.pinned:
+            parts.append(f"{self.pinned} blobs pinned by a writer about to commit kept")
         stale = self.rows_dropped - self.removed
         if stale > 0:
             parts.append(f"{'would drop' if self.dry_run else 'dropped'} {stale} rows of missing blobs")
@@ -187,6 +190,12 @@ def _sweep(store: StoreDir, conn: sqlite3.Connection, batch: list[str], cutoff: 
     """Re-check and remove one batch under the exclusive gc lock."""
     reserve = SpaceReserve(store.reserve_path)
     with store.gc_lock.exclusive():
+        # Blobs a writer outside the daemon put and will name at its commit.
+        pinned = store.gc_lock.pinned()
+        kept = [d for d in batch if d in pinned]
+        if kept:
+            r.pinned += len(kept)
+            batch = [d for d in batch if d not in pinned]
         for attempt in range(2):
             try:
                 with ns.transaction(conn):

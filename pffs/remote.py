@@ -280,6 +280,7 @@ def attach(daemon) -> RemoteMount:
     rm = RemoteMount(st.root, blobs, daemon.db, lease)
     rm.start()
     daemon.ops.content.adopt = rm.adopt
+    daemon.ops.content.remote = True
     blobs.likely_stored = rm.known
     log.info("blobs in %s (cache %s, up to %d bytes); registered as %s, lease %.0f s",
              blobs.url, st.root, blobs.cache.limit, rm.key, lease)

@@ -9,6 +9,7 @@ Layout (``--store DIR``, else ``$PFFS_STORE``, else ``~/.local/share/pffs``)::
     DIR/pffs.log                 daemon log
     DIR/lock                     flock held by the daemon (and by check/repair, offline gc)
     DIR/gc.lock, DIR/gc.intent   flocks that order gc against writers reusing blobs
+    DIR/pins/                    blobs a writer outside the daemon relies on until its commit
     DIR/reserve                  space kept back for deletions on a full disk (pffs.reserve)
     DIR/damaged/                 corrupt blobs set aside by ``pffs check --repair``
     DIR/engine.sock              live-engine socket while mounted
@@ -20,6 +21,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -34,6 +36,7 @@ SNAPSHOT_DIR = "snapshots"
 SOCKET_NAME = "engine.sock"
 GC_LOCK_NAME = "gc.lock"
 GC_INTENT_NAME = "gc.intent"
+PINS_DIR = "pins"
 RESERVE_NAME = "reserve"
 DAMAGED_DIR = "damaged"
 
@@ -108,6 +111,7 @@ class StoreDir:
         self.blobs.create_dirs()
         self.staging_dir.mkdir(exist_ok=True)
         self.snapshot_dir.mkdir(exist_ok=True)
+        (self.root / PINS_DIR).mkdir(exist_ok=True)
 
     def lock(self, what: str) -> None:
         """Take the store's exclusive lock (StoreBusy if another process has it)."""
@@ -171,6 +175,15 @@ class GcLock:
     must not share one: each thread taking the lock shared keeps its own
     pair of descriptors (a writer's commit takes it once per file), and
     each exclusive section opens its own.  The two files are never removed.
+
+    A writer that must let go of the lock before its commit (an engine's
+    bridge, whose commit is a close through the mount: the daemon's commit
+    thread passes through ``gc.intent``, which a waiting gc holds) *pins* its
+    blobs instead (:meth:`pin`): it adds their digests to a pin file under
+    ``pins/`` while it holds the lock shared, and keeps the file's flock
+    until it has committed.  gc reads every pin file inside its exclusive
+    section and keeps the pinned blobs; a pin file whose flock nobody holds
+    (its writer died) is removed there.
     """
 
     def __init__(self, root: str | os.PathLike):
@@ -204,6 +217,44 @@ class GcLock:
             if depth == 0:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
+    def hold_shared(self) -> "SharedHold":
+        """The lock taken shared until ``release()``, on descriptors of its own
+        (so any thread may release it)."""
+        return SharedHold(self._open(GC_INTENT_NAME), self._open(GC_LOCK_NAME))
+
+    def pin(self) -> "PinFile":
+        """A new pin file of this process (see the class docstring)."""
+        return PinFile(self.root / PINS_DIR)
+
+    def pinned(self) -> set[str]:
+        """Digests pinned by live writers; removes the pin files of dead ones.
+
+        Called by gc inside its exclusive section, so no pin is being added.
+        """
+        out: set[str] = set()
+        try:
+            entries = list(os.scandir(self.root / PINS_DIR))
+        except FileNotFoundError:
+            return out
+        for ent in entries:
+            try:
+                fd = os.open(ent.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                    with os.fdopen(os.dup(fd), "r", encoding="ascii", errors="replace") as f:
+                        out.update(line.strip() for line in f if line.strip())
+                    continue
+                os.unlink(ent.path)  # nobody holds it: its writer is gone
+            finally:
+                os.close(fd)
+        return out
+
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         intent = self._open(GC_INTENT_NAME)
@@ -217,3 +268,61 @@ class GcLock:
                 os.close(fd)
         finally:
             os.close(intent)
+
+
+class PinFile:
+    """Digests one writer relies on until its commit: ``pins/<pid>-<random>``.
+
+    The writer holds the file's flock for its whole life, so gc tells a live
+    pin from one left by a killed writer.  Add digests only while holding
+    the gc lock shared (``GcLock.shared``): then gc's exclusive section sees
+    either the pin or a blob the writer has not yet looked for.
+    """
+
+    def __init__(self, folder: Path):
+        folder.mkdir(exist_ok=True)
+        self.path = folder / f"{os.getpid()}-{secrets.token_hex(6)}"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
+                           0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._lock = threading.Lock()
+
+    def add(self, digests) -> None:
+        data = "".join(f"{d}\n" for d in digests).encode()
+        with self._lock:
+            if self._fd < 0:
+                raise ValueError("pin file closed")
+            os.write(self._fd, data)
+
+    def close(self) -> None:
+        """Unpin: the writer has committed (or given up)."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = -1
+
+
+class SharedHold:
+    """The gc lock held shared by one writer (see GcLock.hold_shared)."""
+
+    def __init__(self, intent: int, fd: int):
+        try:
+            fcntl.flock(intent, fcntl.LOCK_SH)
+            fcntl.flock(intent, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(intent)
+            os.close(fd)
+            raise
+        os.close(intent)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

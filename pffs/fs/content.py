@@ -80,10 +80,15 @@ class ContentStore:
         # parsed); accepted_pages(digest) its pages, or None.
         self.accepted = None
         self.accepted_pages = None
-        # Set for an S3 store (pffs.remote): adopt(pages) gives the page
-        # digests a manifest lists that the namespace does not know yet a
-        # blob row each when the bucket holds them, so that forks find them.
+        # Set by the daemon: adopt(pages) gives the page digests a manifest
+        # lists that the namespace does not know yet a blob row each when the
+        # store holds them (a local store: blob files an engine's bridge put
+        # beside the mount, pffs.fs.direct; an S3 store: the bucket's,
+        # pffs.remote), so that forks find them.
         self.adopt = None
+        # Blobs in a bucket (pffs.remote): a fork's pages are adopted from it
+        # at the manifest's close, even for bytes accepted before.
+        self.remote = False
 
     async def sync_pending(self) -> None:
         """Make every blob written so far durable (grouped fsyncs)."""
@@ -109,8 +114,11 @@ class ContentStore:
             stored = self._store_sync(stg, parse_manifest)
             if then is None or stored.manifest_error is not None:
                 return stored, None
-            if stored.manifest is not None and self.adopt is not None:
-                self.adopt(stored.manifest.pages)
+            m = stored.manifest
+            if m is not None and self.adopt is not None \
+                    and (self.remote or not isinstance(m, AcceptedManifest)):
+                # (Bytes accepted before on a local store: their pages were adopted then.)
+                self.adopt(m.pages)
             return stored, then(stored)
 
     def _pages_of(self, stg: Staging, digest: str) -> list[str]:

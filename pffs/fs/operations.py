@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import logging
 import os
 import stat
@@ -34,6 +35,7 @@ from ..store.local import LocalBlobStore
 from .blobcache import BlobCache
 from .content import AcceptedManifest, ContentStore
 from .db import Database, WorkerPool
+from .direct import PAGES_XATTR, STORE_XATTR, page_verdict
 from .staging import MemoryBudget, Staging
 from .virtual import VirtualTree
 
@@ -45,7 +47,7 @@ BLKSIZE = 1 << 20
 DIGEST_XATTR = b"user.pffs.digest"
 # Directories: how many names they hold (read-only, not listed, like the digest).
 ENTRIES_XATTR = b"user.pffs.entries"
-READONLY_XATTRS = (DIGEST_XATTR, ENTRIES_XATTR)
+READONLY_XATTRS = (DIGEST_XATTR, ENTRIES_XATTR, PAGES_XATTR, STORE_XATTR)
 # Write-only, on a session folder holding an empty pages/ (what `pffs fork`
 # makes): its value, a path from the mount's root to a valid manifest.json,
 # gives the folder a manifest.json holding the same blob, and the pages as a
@@ -69,6 +71,7 @@ def handler(fn):
     @functools.wraps(fn)
     async def wrapper(self, *args):
         t0 = time.perf_counter()
+        self.requests[name] = self.requests.get(name, 0) + 1
         try:
             return await fn(self, *args)
         except FUSEError:
@@ -177,6 +180,7 @@ class Operations(pyfuse3.Operations):
         self.cache = BlobCache(cache_size)
         self.budget = MemoryBudget(staging_memory)
         self.lookups: dict[int, int] = {}
+        self.requests: dict[str, int] = {}   # FUSE requests served, by handler (in stats.json)
         self.states: dict[int, InodeState] = {}
         self.handles: dict[int, OpenFile] = {}
         self._next_fh = 1
@@ -580,7 +584,7 @@ class Operations(pyfuse3.Operations):
         folder has a manifest.json, EOPNOTSUPP on an S3 store (whose forks
         adopt pages from the bucket as the manifest's close does).
         """
-        if self.content.adopt is not None:
+        if self.content.remote:
             raise FUSEError(errno.EOPNOTSUPP)
         src = self._resolve_readable(value, ctx)
         st = self.states.get(src)
@@ -1173,6 +1177,16 @@ class Operations(pyfuse3.Operations):
                     await self._commit(inode, st)
                 node = ns.get_inode(self.db.ro, inode)
             return node.digest.encode()
+        if name == STORE_XATTR and inode == ns.ROOT_INODE:
+            return self.virtual.store_json  # .pffs/store.json in one request, for bridges
+        if name == PAGES_XATTR:
+            # A session folder: which page files do not hold what its manifest lists.
+            dirty = {ino for ino, st in self.states.items()
+                     if st.staging is not None and st.staging.dirty}
+            verdict = page_verdict(self.db.ro, inode, dirty)
+            if verdict is None:
+                raise FUSEError(pyfuse3.ENOATTR)
+            return json.dumps(verdict, separators=(",", ":")).encode()
         if name == ENTRIES_XATTR:
             if not ns.get_inode(self.db.ro, inode).is_dir:
                 raise FUSEError(pyfuse3.ENOATTR)

@@ -1,8 +1,10 @@
 """The hidden ``.pffs/`` folder: files pffs makes up on the fly, never cached.
 
 ``.pffs`` is not listed in the root but can be reached by name.  It holds
-``stats.json`` (SPEC §4 figures, computed at open), ``version`` and
-``engine.sock`` (a symlink to the live-engine socket in the store folder).
+``stats.json`` (SPEC §4 figures, computed at open, and a count of the FUSE
+requests served, by operation), ``version``, ``store.json`` (where the store
+is, for engines' bridges on this host: pffs.fs.direct) and ``engine.sock``
+(a symlink to the live-engine socket in the store folder).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ PFFS_DIR = VIRT_BASE + 1
 STATS = VIRT_BASE + 2
 VERSION = VIRT_BASE + 3
 SOCK = VIRT_BASE + 4
+STORE = VIRT_BASE + 5
 FH_BASE = 1 << 62
 
-_FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK}
+_FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK, b"store.json": STORE}
 
 
 class VirtualTree:
@@ -38,6 +41,8 @@ class VirtualTree:
         self._t = ns.now_ns()
         #: pffs.live.view.LiveView while the daemon serves live engines (``engines/``)
         self.live = None
+        #: The bytes of store.json (set by the daemon: pffs.fs.direct.store_info)
+        self.store_json = b"{}\n"
 
     def attach_live(self, view) -> None:
         """Serve ``engines/`` through *view*; its open files share this handle table."""
@@ -75,7 +80,10 @@ class VirtualTree:
             figures["cache"] = {"bytes": self.ops.cache.used, "hits": self.ops.cache.hits,
                                 "misses": self.ops.cache.misses,
                                 "fetched_by_reads": self.ops.fetched_by_reads}
+            figures["requests"] = dict(sorted(self.ops.requests.items()))
             return (json.dumps(figures, indent=2) + "\n").encode()
+        if ino == STORE:
+            return self.store_json
         if ino == VERSION:
             return (f"pffs {__version__}\nschema {ns.SCHEMA_VERSION}\npid {os.getpid()}\n"
                     f"store {self.store_root}\n").encode()
@@ -86,7 +94,7 @@ class VirtualTree:
             return self._attr(ino, stat.S_IFDIR | 0o555, 0, 2)
         if ino == SOCK:
             return self._attr(ino, stat.S_IFLNK | 0o777, len(self.socket_path))
-        if ino in (STATS, VERSION):
+        if ino in (STATS, VERSION, STORE):
             return self._attr(ino, stat.S_IFREG | 0o444, len(self._content(ino)))
         raise FUSEError(errno.ENOENT)
 
