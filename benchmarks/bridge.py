@@ -29,7 +29,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -38,11 +40,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine_bridge import Bridge, KVPool, MemorySession, RefCountingAllocator, SeqBlocks  # noqa: E402
+from engine_bridge import (Bridge, DirSink, DirSource, KVPool, MemorySession,  # noqa: E402
+                           RefCountingAllocator, SeqBlocks, store_access)
 from engine_bridge.reference import ModelConfig, ReferenceEngine  # noqa: E402
-from engine_bridge.sessions import DIGEST_XATTR  # noqa: E402
 from pffs import codec  # noqa: E402
-from pffs.manifest import page_name  # noqa: E402
 from pffs.offline import StoreSessionSink, StoreSessionSource  # noqa: E402
 
 KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"
@@ -62,19 +63,34 @@ def dir_sink(root: Path):
 
 
 @contextlib.contextmanager
-def mount_sink(root: Path):
-    """A pffs mount (daemon in a subprocess, store under *root*), unmounted at the end."""
+def _mounted(root: Path):
     sys.path.insert(0, str(ROOT / "tests"))
     from mountutil import Mount
     root.mkdir(parents=True)
     m = Mount(root).start()
     try:
-        yield lambda name: (m.path / name, m.path / name)
+        yield m
     finally:
         rc = m.stop()
         m.cleanup()
         if rc != 0:
             print(f"warning: the benchmark's pffs daemon exited {rc}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def mount_sink(root: Path):
+    """A pffs mount (daemon in a subprocess, store under *root*), every byte through FUSE."""
+    with _mounted(root) as m:
+        yield lambda name: (DirSink(m.path / name), lambda: DirSource(m.path / name))
+
+
+@contextlib.contextmanager
+def direct_sink(root: Path):
+    """The same mount, page bytes straight to and from its store (engine_bridge.direct)."""
+    with _mounted(root) as m:
+        if store_access(m.path) is None:
+            raise SystemExit("the direct path is not open on the benchmark's mount")
+        yield lambda name: (m.path / name, m.path / name)
 
 
 def store_sink(sink_cls):
@@ -94,6 +110,7 @@ def store_sink(sink_cls):
 SINKS: dict[str, Callable[[Path], contextlib.AbstractContextManager]] = {
     "dir": dir_sink,
     "mount": mount_sink,
+    "direct": direct_sink,
     "store": store_sink(StoreSessionSink),
 }
 if not getattr(StoreSessionSink, "concurrent", False):
@@ -142,6 +159,7 @@ def main() -> int:
     ap.add_argument("--staging-mib", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", default="1,2", help="the bridge's I/O thread counts to measure (default 1,2)")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.torch_threads:
@@ -165,70 +183,96 @@ def main() -> int:
     rows = []
 
     base = Path(tempfile.mkdtemp(prefix="pffs-bridge-bench-", dir=args.dir))
+    threads_list = [int(x) for x in args.threads.split(",")]
     try:
-        t_out: dict[str, float] = {}
-        t_in: dict[str, float] = {}
-        # One bridge for every sink, its staging buffers allocated and touched by
-        # an untimed round trip first (an engine does that once, at its first page-out).
-        bridge = Bridge(pool, RefCountingAllocator(num_blocks), engine_name="bench",
-                        staging_bytes=args.staging_mib << 20)
-        warm = MemorySession()
-        bridge.page_out([seq], warm)
-        bridge.allocator.free(bridge.page_in(warm).blocks)
-        page_list = [warm.pages[i] for i in sorted(warm.pages)]
-        del warm
+        t_out: dict[tuple[str, int], float] = {}
+        t_in: dict[tuple[str, int], float] = {}
+        t_enc: dict[int, float] = {}
+        t_dec: dict[int, float] = {}
+        page_list: list[bytes] = []
+        frames: list[bytes] = []
+        for threads in threads_list:
+            # One bridge for every sink, its staging buffers allocated and touched by
+            # an untimed round trip first (an engine does that once, at its first page-out).
+            bridge = Bridge(pool, RefCountingAllocator(num_blocks), engine_name="bench",
+                            staging_bytes=args.staging_mib << 20, io_workers=threads)
+            if not page_list:
+                warm = MemorySession()
+                bridge.page_out([seq], warm)
+                bridge.allocator.free(bridge.page_in(warm).blocks)
+                page_list = [warm.pages[i] for i in sorted(warm.pages)]
+                frames = [codec.encode(p, codec.DEFAULT_CODEC) for p in page_list]
+                del warm
+            pool_ex = ThreadPoolExecutor(threads)
 
-        def codec_alone() -> float:
-            t0 = time.perf_counter()
-            for p in page_list:
-                codec.encode(p, codec.DEFAULT_CODEC)
-            return time.perf_counter() - t0
+            def encode_alone() -> float:
+                # What a page-out must do per page, on the same thread count: sha256 + encode.
+                t0 = time.perf_counter()
+                list(pool_ex.map(lambda p: (hashlib.sha256(p).digest(),
+                                            codec.encode(p, codec.DEFAULT_CODEC)), page_list))
+                return time.perf_counter() - t0
 
-        # Codec speed measured right beside each page-out into a store (same load).
-        t_codec_beside: dict[str, float] = {}
-        for sink_name in args.sink or list(SINKS):
-            mode = ("held in staging" if num_blocks <= bridge.staging.capacity
-                    else "larger than staging: verified, then streamed")
-            outs, ins, ins_x = [], [], []
-            scratch = base / sink_name
-            for r in range(args.repeat):
-                # A fresh place each time: a store that already holds the blobs
-                # would skip compressing them.
-                with SINKS[sink_name](scratch / f"r{r}") as place:
-                    dest, src = place("session")
-                    if sink_name.startswith("store"):
-                        t_codec_beside[sink_name] = min(t_codec_beside.get(sink_name, float("inf")),
-                                                        codec_alone())
-                    t0 = time.perf_counter()
-                    m = bridge.page_out([seq], dest)
-                    outs.append(time.perf_counter() - t0)
-                    if callable(src):
-                        src = src()
-                    t0 = time.perf_counter()
-                    res = bridge.page_in(src)
-                    ins.append(time.perf_counter() - t0)
-                    bridge.allocator.free(res.blocks)
-                    if hasattr(src, "close"):
-                        src.close()
-                    if isinstance(src, Path):
-                        if sink_name == "dir" and mode.startswith("larger"):
-                            # What a pffs mount offers: each page file's digest as an xattr,
-                            # so the first pass of a large page-in reads nothing.
-                            for ix, d in enumerate(m.pages):
-                                os.setxattr(src / "pages" / page_name(ix), DIGEST_XATTR, d.encode())
-                            t0 = time.perf_counter()
-                            res = bridge.page_in(src)
-                            ins_x.append(time.perf_counter() - t0)
-                            bridge.allocator.free(res.blocks)
-                        shutil.rmtree(src)
-                shutil.rmtree(scratch / f"r{r}", ignore_errors=True)
-            t_out[sink_name], t_in[sink_name] = min(outs), min(ins)
-            rows.append((f"page-out -> {sink_name} (gather, sha256, write)", mbps(total, min(outs))))
-            rows.append((f"page-in  <- {sink_name} (read, sha256, scatter; {mode})", mbps(total, min(ins))))
-            if ins_x:
-                rows.append((f"page-in  <- {sink_name} with {DIGEST_XATTR} xattrs (pages read once)",
-                             mbps(total, min(ins_x))))
-            shutil.rmtree(scratch, ignore_errors=True)
+            def decode_alone() -> float:
+                # What a page-in must do per page: decode + sha256.
+                out = [bytearray(page) for _ in range(threads)]
+                slot = threading.local()
+                ids = iter(range(threads))
+                lock = threading.Lock()
+
+                def one(f):
+                    buf = getattr(slot, "buf", None)
+                    if buf is None:
+                        with lock:
+                            buf = slot.buf = out[next(ids)]
+                    codec.decode_into(f, buf, check_crc=False)
+                    hashlib.sha256(buf).digest()
+                t0 = time.perf_counter()
+                list(pool_ex.map(one, frames))
+                return time.perf_counter() - t0
+
+            for sink_name in args.sink or list(SINKS):
+                if threads != threads_list[0] and sink_name not in ("direct", "mount"):
+                    continue
+                mode = ("held in staging" if num_blocks <= bridge.staging.capacity
+                        else "larger than staging: verified, then streamed")
+                outs, ins = [], []
+                scratch = base / f"{sink_name}-{threads}"
+                for r in range(args.repeat):
+                    # A fresh place each time: a store that already holds the blobs
+                    # would skip compressing them.
+                    with SINKS[sink_name](scratch / f"r{r}") as place:
+                        dest, src = place("session")
+                        if sink_name in ("direct", "store"):
+                            t_enc[threads] = min(t_enc.get(threads, float("inf")), encode_alone())
+                        t0 = time.perf_counter()
+                        bridge.page_out([seq], dest)
+                        outs.append(time.perf_counter() - t0)
+                        if callable(src):
+                            src = src()
+                        if sink_name == "direct":
+                            t_dec[threads] = min(t_dec.get(threads, float("inf")), decode_alone())
+                        t0 = time.perf_counter()
+                        res = bridge.page_in(src)
+                        ins.append(time.perf_counter() - t0)
+                        bridge.allocator.free(res.blocks)
+                        if hasattr(src, "close"):
+                            src.close()
+                        if isinstance(src, Path):
+                            shutil.rmtree(src)
+                    shutil.rmtree(scratch / f"r{r}", ignore_errors=True)
+                t_out[sink_name, threads], t_in[sink_name, threads] = min(outs), min(ins)
+                rows.append((f"page-out -> {sink_name}, {threads} threads (gather, sha256, write)",
+                             mbps(total, min(outs))))
+                rows.append((f"page-in  <- {sink_name}, {threads} threads (read, sha256, scatter; {mode})",
+                             mbps(total, min(ins))))
+                shutil.rmtree(scratch, ignore_errors=True)
+            if threads in t_enc:
+                rows.append((f"baseline: sha256 + {codec.DEFAULT_CODEC} encode alone, {threads} threads",
+                             mbps(total, t_enc[threads])))
+            if threads in t_dec:
+                rows.append((f"baseline: {codec.DEFAULT_CODEC} decode + sha256 alone, {threads} threads",
+                             mbps(total, t_dec[threads])))
+            pool_ex.shutdown()
 
         t = best_of(lambda: [x.clone() for x in pool.layers], args.repeat)
         rows.append(("baseline: tensor .clone() of the pool", mbps(total, t)))
@@ -258,17 +302,32 @@ def main() -> int:
         t_codec = time.perf_counter() - t0
         rows.append((f"baseline: {codec.DEFAULT_CODEC} compress, one core (ratio {total / stored:.2f}x)",
                      mbps(total, t_codec)))
-        del pages, page_list
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     width = max(len(r[0]) for r in rows)
     for name, v in rows:
         print(f"  {name:<{width}}  {v:8.0f} MB/s")
-    for name, tc in t_codec_beside.items():
-        v, c = mbps(total, t_out[name]), mbps(total, tc)
-        print(f"  page-out -> {name}: {v:.0f} MB/s = {v / c:.2f}x the {codec.DEFAULT_CODEC} codec alone "
-              f"on one core, measured beside it ({c:.0f} MB/s)")
+    print()
+    for n in threads_list:
+        if ("direct", n) not in t_out:
+            continue
+        do, di = t_out["direct", n], t_in["direct", n]
+        line = [f"direct, {n} threads: page-out {mbps(total, do):.0f} MB/s"]
+        if n in t_enc:
+            line.append(f"= {t_enc[n] / do:.2f}x encode + sha256 alone")
+        if ("mount", n) in t_out:
+            line.append(f"= {t_out['mount', n] / do:.1f}x the mount path")
+        line.append(f"; page-in {mbps(total, di):.0f} MB/s")
+        if n in t_dec:
+            line.append(f"= {t_dec[n] / di:.2f}x decode + sha256 alone")
+        if ("mount", n) in t_in:
+            line.append(f"= {t_in['mount', n] / di:.1f}x the mount path")
+        print("  " + " ".join(line))
+    if len(threads_list) > 1 and ("direct", threads_list[0]) in t_out and ("direct", threads_list[-1]) in t_out:
+        a, b = threads_list[0], threads_list[-1]
+        print(f"  direct, {b} threads against {a}: page-out {t_out['direct', a] / t_out['direct', b]:.2f}x, "
+              f"page-in {t_in['direct', a] / t_in['direct', b]:.2f}x")
 
     # Recompute versus restore, on the reference engine's own (tiny) model.
     print()
@@ -296,8 +355,8 @@ def main() -> int:
           f"{t_restore * 1e3:.0f} ms = {n_tokens / t_restore:,.0f} tokens/s "
           f"({t_prefill / t_restore:.1f}x faster than recomputing)")
     print(f"  the 8B-geometry session above ({total / 2**20:.0f} MiB) restores the same {n_tokens} tokens in:")
-    for name, t in t_in.items():
-        print(f"    {name:<14} {t:6.2f} s  (the reference prefill took {t_prefill:.2f} s; "
+    for (name, n), t in t_in.items():
+        print(f"    {name + f', {n} threads':<24} {t:6.2f} s  (the reference prefill took {t_prefill:.2f} s; "
               f"an 8B model's prefill needs ~{2 * 8e9 * n_tokens / 1e12:.0f} TFLOP for them)")
     return 0
 

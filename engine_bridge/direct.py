@@ -181,8 +181,10 @@ def _probe(mp: str) -> StoreAccess | str:
     root = Path(info["root"])
     try:
         st = os.stat(root)
+    except PermissionError:
+        return f"cannot reach the store folder {root} as uid {os.getuid()} (permission denied)"
     except OSError as e:
-        return f"cannot reach the store folder {root} ({e.strerror}): another host or namespace"
+        return f"cannot reach the store folder {root} ({e.strerror}): another host or namespace?"
     if (st.st_dev, st.st_ino) != (info.get("dev"), info.get("ino")):
         return f"cannot use {root}: not the folder the daemon uses (another host or namespace)"
     blobs = Path(info["blobs"])
@@ -233,9 +235,9 @@ def _verdict(folder: Path) -> dict | None:
 class DirectSink:
     """Writes a session at *dest* in a pffs mount, page bytes straight into its store.
 
-    The store's gc lock is held shared from the first put to the sync that
-    makes the pages durable, and every page is pinned until the session is
-    named, so no gc sweeps a page in between (see pffs.storedir.GcLock).
+    The store's gc lock is held shared from the first put until the pages are
+    all put, and every page is pinned until the session is named, so no gc
+    sweeps a page in between (see pffs.storedir.GcLock).
     """
 
     concurrent = True
@@ -249,6 +251,7 @@ class DirectSink:
             raise FileExistsError(errno.EEXIST, "session exists", str(self.dest))
         self.access = access
         self.blobs = access.blobs()
+        # Puts with a batch skip their own fsyncs: see commit().
         self.batch = self.blobs.batch()
         gc = GcLock(access.root)
         self.pins = gc.pin()
@@ -278,15 +281,11 @@ class DirectSink:
     def commit(self) -> None:
         if self.manifest is None:
             raise PageOutError("commit before write_manifest")
-        try:
-            missing = self.batch.sync()
-            if missing:
-                raise PageOutError(f"page blob {missing[0]} vanished from the store before the"
-                                   " session was named")
-        finally:
-            # The daemon's commit of manifest.json takes the lock too, behind
-            # a waiting gc: from here on the pins alone keep the pages.
-            self._hold.release()
+        # The daemon's commit of manifest.json takes the lock too, behind a
+        # waiting gc: from here on the pins alone keep the pages.  It adopts
+        # the blobs into its own group of fsyncs, done before the namespace
+        # rows naming them are made durable (as for the blobs of its closes).
+        self._hold.release()
         fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(self.manifest)

@@ -178,6 +178,11 @@ class KVPool:
         on the pool's device.
         """
         o = self._page_view(out)
+        if self.device.type == "cpu":
+            # Straight into the strided view: one copy, not index_select's temporary and a second.
+            for layer, c in enumerate(self._canon):
+                torch.index_select(c, 1, index, out=o.select(2, layer).transpose(0, 1))
+            return
         for layer, c in enumerate(self._canon):
             o.select(2, layer).transpose(0, 1).copy_(c.index_select(1, index))
 
@@ -188,6 +193,15 @@ class KVPool:
     def scatter(self, index: torch.Tensor, src: torch.Tensor) -> None:
         """Copy page bytes ``src`` ([n, page_bytes] uint8) into blocks ``index``."""
         s = self._page_view(src)
+        if self.device.type == "cpu":
+            # A copy a block and layer: several times faster on the CPU than
+            # index_copy_ from a strided source (one kernel a layer suits a GPU).
+            blocks = index.tolist()
+            for layer, c in enumerate(self._canon):
+                sl = s.select(2, layer)
+                for r, b in enumerate(blocks):
+                    c[:, b].copy_(sl[r])
+            return
         for layer, c in enumerate(self._canon):
             c.index_copy_(1, index, s.select(2, layer).transpose(0, 1))
 

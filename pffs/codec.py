@@ -137,12 +137,13 @@ def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
-def split_planes(data) -> tuple[bytes, bytes, bytes]:
-    """(low bytes, high bytes, odd tail byte) of the 16-bit values in *data*."""
+def split_planes(data) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """(low bytes, high bytes, odd tail byte) of the 16-bit little-endian values in *data*
+    (the planes as contiguous uint8 arrays, never copied into bytes)."""
     a = np.frombuffer(data, dtype=np.uint8)
     n = len(a) & ~1
     w = a[:n].view("<u2")
-    return w.astype(np.uint8).tobytes(), (w >> 8).astype(np.uint8).tobytes(), a[n:].tobytes()
+    return w.astype(np.uint8), (w >> 8).astype(np.uint8), a[n:].tobytes()
 
 
 def join_planes(lo, hi, tail) -> bytes:
@@ -159,11 +160,12 @@ FLAG_LO_ZSTD = 1
 FLAG_HI_ZSTD = 2
 
 
-def _encode_planes(raw, level: int) -> tuple[int, bytes]:
+def _encode_planes(raw, level: int) -> tuple[int, list]:
+    """(flags, payload parts): the frame's payload is their concatenation."""
     lo, hi, tail = split_planes(raw)
     c = _plane_compressor(level)
     flags = 0
-    parts = []
+    parts: list = []
     for plane, bit in ((lo, FLAG_LO_ZSTD), (hi, FLAG_HI_ZSTD)):
         z = c.compress(plane)
         if len(z) < len(plane):
@@ -172,7 +174,7 @@ def _encode_planes(raw, level: int) -> tuple[int, bytes]:
         parts.append(_PLANE_LEN.pack(len(plane)))
         parts.append(plane)
     parts.append(tail)
-    return flags, b"".join(parts)
+    return flags, parts
 
 
 def _zstd_decode(payload, size: int) -> bytes:
@@ -229,12 +231,13 @@ def encode(data, codec: Codec | str = DEFAULT_CODEC) -> bytes:
     if codec.id != CODEC_RAW and n:
         flags = 0
         if codec.id == CODEC_PLANES_ZSTD:
-            flags, payload = _encode_planes(raw, codec.level)
+            flags, parts = _encode_planes(raw, codec.level)
         else:
-            payload = _compressor(codec.level).compress(raw)
-        if len(payload) <= n * (1 - MIN_GAIN):
-            return HEADER.pack(MAGIC, codec.id, codec.level, flags, n, crc) + payload
-    return HEADER.pack(MAGIC, CODEC_RAW, 0, 0, n, crc) + bytes(raw)
+            parts = [_compressor(codec.level).compress(raw)]
+        if sum(memoryview(p).nbytes for p in parts) <= n * (1 - MIN_GAIN):
+            # One copy: header and payload parts joined at once.
+            return b"".join([HEADER.pack(MAGIC, codec.id, codec.level, flags, n, crc), *parts])
+    return b"".join([HEADER.pack(MAGIC, CODEC_RAW, 0, 0, n, crc), raw])
 
 
 def read_header(frame) -> FrameHeader:

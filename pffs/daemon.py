@@ -203,7 +203,9 @@ class Daemon:
         self.ops.virtual.store_json = direct.store_json(direct.store_info(st, self.opts))
         if isinstance(st.blobs, LocalBlobStore):
             # Pages an engine's bridge put beside the mount (pffs.fs.direct).
-            content.adopt = direct.LocalAdopter(self.db, st.blobs, on_stored=self._stored)
+            content.adopt = direct.LocalAdopter(
+                self.db, st.blobs, pending=None if content.sync_on_close else content.pending,
+                on_stored=self._stored)
         from .live.server import LiveEngines
         self.live = LiveEngines(st.socket_path)
         self.live.listen()

@@ -16,6 +16,7 @@ import torch
 
 from engine_bridge import (DigestMismatch, IncompleteSession, MismatchError, ModelMismatch,
                            NoFreeBlocks, WrongSizePage)
+from engine_bridge.direct import store_access
 from engine_bridge.reference import ModelConfig, ReferenceEngine
 from mountutil import is_mounted, lazy_unmount, pffs
 from pffs.manifest import page_name
@@ -68,8 +69,13 @@ def run(*cmd, **kw) -> subprocess.CompletedProcess:
 # ------------------------------------------------------------- bit-exact
 
 
+@pytest.mark.parametrize("path", ["direct", "mount"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_page_out_fork_page_in_continues_bit_exact(mnt, dtype):
+def test_page_out_fork_page_in_continues_bit_exact(mnt, dtype, path, monkeypatch):
+    # Page bytes straight to and from the store (engine_bridge.direct), or every byte through FUSE.
+    if path == "mount":
+        monkeypatch.setenv("PFFS_DIRECT", "0")
+    assert (store_access(mnt.path) is not None) == (path == "direct")
     a, last = decoded(dtype)
     m = a.page_out(mnt / "a")
     assert sorted(os.listdir(mnt / "a" / "pages")) == [page_name(i) for i in range(len(m.pages))]

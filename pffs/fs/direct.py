@@ -28,7 +28,7 @@ from .. import namespace as ns
 from ..codec import CODEC_RAW, HEADER_SIZE
 from ..errors import CodecError, IntegrityError, MissingBlob
 from ..namespace import BLOCK_SIZE, BlobRow
-from ..store.local import LocalBlobStore
+from ..store.local import LocalBlobStore, PutBatch
 from ..types import Digest, is_digest
 
 log = logging.getLogger("pffs.fs")
@@ -80,9 +80,13 @@ class LocalAdopter:
     Returns how many rows it added; ``on_stored(n)`` hears their frame bytes.
     """
 
-    def __init__(self, db, blobs: LocalBlobStore, on_stored=None):
+    def __init__(self, db, blobs: LocalBlobStore, *, pending: PutBatch | None = None, on_stored=None):
         self.db = db
         self.blobs = blobs
+        # Adopted blobs are made durable as the daemon's own are: by its
+        # syncer before the WAL fsync that makes their rows durable (pending),
+        # else (sync on close) before the rows are committed.
+        self.pending = pending
         self.on_stored = on_stored
 
     def __call__(self, pages: list[str]) -> int:
@@ -98,6 +102,11 @@ class LocalAdopter:
                 rows.append(row)
         if not rows:
             return 0
+        batch = self.pending if self.pending is not None else self.blobs.batch()
+        for r in rows:
+            batch.add(str(self.blobs.path(Digest(r.digest))))
+        if self.pending is None:
+            batch.sync()
         self.db.run_in_transaction(_insert_blob_rows, rows)
         if self.on_stored is not None:
             self.on_stored(sum(r.stored_size for r in rows))

@@ -276,6 +276,10 @@ class PutBatch:
         with self._lock:
             self._files.add(path)
 
+    def add(self, path: str) -> None:
+        """Have the next sync cover a blob file written by someone else."""
+        self._add(path)
+
     def __len__(self) -> int:
         return len(self._files)
 
