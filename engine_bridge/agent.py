@@ -15,7 +15,10 @@ requests and a few workers serve them:
   staging -> shared memory), without the engine lock: the pinned blocks'
   slots below the fill never change, and slots past it are zeroed;
 - ``page_in``: a complete session handed over in a memfd, paged in through
-  the bridge between two steps (all checks, nothing allocated on refusal).
+  the bridge between two steps (all checks, nothing allocated on refusal);
+- ``save`` / ``load`` (``pffs fork`` out of and into ``engines/NAME``): a
+  live session paged out to a path in the mount, or a session at a path
+  paged in, by the bridge itself (the direct path where the store allows).
 
 What an engine must provide is :class:`EngineAdapter`; the reference engine's
 is :class:`ReferenceAdapter`.  ``python -m engine_bridge.agent MNT --name N``
@@ -47,7 +50,8 @@ from pffs.live import protocol
 from pffs.types import Digest
 
 from .bridge import SUPPORTED_LAYOUTS, Bridge, SeqBlocks
-from .errors import PageInError
+from .direct import as_source
+from .errors import BridgeError, PageInError
 from .pool import BlockId
 from .sessions import SessionSource
 
@@ -361,7 +365,7 @@ class Agent:
         rid, op = msg.get("id"), msg.get("op")
         try:
             fn = {"list": self._list, "snapshot": self._snapshot, "gather": self._gather,
-                  "page_in": self._page_in}.get(op)
+                  "page_in": self._page_in, "save": self._save, "load": self._load}.get(op)
             if fn is None:
                 raise protocol.Refused(errno.EINVAL, f"unknown request {op!r}")
             reply = {"re": rid, "ok": True, **fn(msg, fds)}
@@ -369,6 +373,11 @@ class Agent:
             reply = {"re": rid, "ok": False, "errno": e.errno, "error": str(e)}
         except protocol.Refused as e:
             reply = {"re": rid, "ok": False, "errno": e.errno, "error": str(e)}
+        except BridgeError as e:
+            reply = {"re": rid, "ok": False, "errno": e.errno, "error": str(e)}
+        except OSError as e:
+            reply = {"re": rid, "ok": False, "errno": e.errno or errno.EIO,
+                     "error": f"{e.strerror or e}: {e.filename}" if e.filename else str(e)}
         except Exception as e:
             log.exception("serving %s for the daemon", op)
             reply = {"re": rid, "ok": False, "errno": errno.EIO, "error": f"{type(e).__name__}: {e}"}
@@ -396,18 +405,21 @@ class Agent:
         with self.adapter.lock:
             return {"sessions": self._session_names(self.adapter.sequences())}
 
+    def _chosen(self, name) -> list[SeqBlocks]:
+        """The sequences of live session *name* (hold the adapter's lock)."""
+        seqs = self.adapter.sequences()
+        self._session_names(seqs)
+        by_id = {s.id: s for s in seqs}
+        if name in self.groups:
+            return [by_id[i] for i in self.groups[name]]
+        if name in by_id:
+            return [by_id[name]]
+        raise protocol.Refused(errno.ENOENT, f"no live session {name!r}")
+
     def _snapshot(self, msg, fds) -> dict[str, Any]:
         name = msg.get("session")
         with self.adapter.lock:
-            seqs = self.adapter.sequences()
-            self._session_names(seqs)
-            by_id = {s.id: s for s in seqs}
-            if name in self.groups:
-                chosen = [by_id[i] for i in self.groups[name]]
-            elif name in by_id:
-                chosen = [by_id[name]]
-            else:
-                raise protocol.Refused(errno.ENOENT, f"no live session {name!r}")
+            chosen = self._chosen(name)
             manifest, blocks, used = self.bridge.plan(chosen)
             pinned = sorted(set(blocks))
             self.adapter.pin(pinned)
@@ -467,6 +479,51 @@ class Agent:
         self._stream.synchronize()
         return {}
 
+    def _save(self, msg, fds) -> dict[str, Any]:
+        """Page a live session out as a session at *path* (in the mount: by the
+        direct path where it can), its blocks pinned meanwhile, not the engine
+        paused."""
+        name, path = msg.get("session"), msg.get("path")
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise protocol.Refused(errno.EINVAL, "a save needs an absolute path")
+        with self.adapter.lock:
+            chosen = self._chosen(name)
+            pinned = sorted({b for s in chosen for b in s.block_ids})
+            self.adapter.pin(pinned)
+            if self.pool.device.type == "cuda":
+                # What the engine queued before this point has written those blocks.
+                torch.cuda.current_stream(self.pool.device).synchronize()
+        try:
+            m = self.bridge.page_out(chosen, path)
+        finally:
+            with self.adapter.lock:
+                self.adapter.unpin(pinned)
+        log.info("saved %s as %s (%d pages)", name, path, len(m.pages))
+        return {"pages": len(m.pages)}
+
+    def _load(self, msg, fds) -> dict[str, Any]:
+        """Page the session at *path* in as live session *name*, between two steps."""
+        name, path = msg.get("name"), msg.get("path")
+        if not isinstance(name, str) or not isinstance(path, str) or not os.path.isabs(path):
+            raise protocol.Refused(errno.EINVAL, "a load needs a name and an absolute path")
+        with self.adapter.lock:
+            if name in self._session_names(self.adapter.sequences()):
+                raise protocol.Refused(errno.EEXIST, f"engine {self.name} has a session {name!r}")
+            ids = self.adapter.page_in(as_source(path))
+            self._group(name, ids)
+        log.info("loaded %s as %s: sequences %s", path, name, ", ".join(ids))
+        return {"seqs": ids}
+
+    def _group(self, name: str, ids: list[str]) -> None:
+        # These ids now name the new sequences, whatever group they were in.
+        for group in list(self.groups):
+            left = [i for i in self.groups[group] if i not in ids]
+            if left:
+                self.groups[group] = left
+            else:
+                del self.groups[group]
+        self.groups[name] = list(ids)
+
     def _page_in(self, msg, fds) -> dict[str, Any]:
         name = msg.get("name")
         sizes = [int(s) for s in msg.get("sizes", [])]
@@ -480,14 +537,7 @@ class Agent:
             source = _ShmSource(mm, sizes, pb, mlen)
             with self.adapter.lock:
                 ids = self.adapter.page_in(source)
-                # These ids now name the new sequences, whatever group they were in.
-                for group in list(self.groups):
-                    left = [i for i in self.groups[group] if i not in ids]
-                    if left:
-                        self.groups[group] = left
-                    else:
-                        del self.groups[group]
-                self.groups[name] = list(ids)
+                self._group(name, ids)
         finally:
             if mm is not None:
                 mm.close()

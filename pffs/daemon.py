@@ -207,7 +207,7 @@ class Daemon:
                 self.db, st.blobs, pending=None if content.sync_on_close else content.pending,
                 on_stored=self._stored)
         from .live.server import LiveEngines
-        self.live = LiveEngines(st.socket_path)
+        self.live = LiveEngines(st.socket_path, mountpoint=str(self.mountpoint))
         self.live.listen()
         self.ops.virtual.attach_live(self.live.view)
         if st.url is not None:

@@ -15,6 +15,9 @@ from .layout import MANIFEST_NAME, PAGES_DIR
 DIGEST_XATTR = "user.pffs.digest"
 ENTRIES_XATTR = "user.pffs.entries"
 FORK_XATTR = "user.pffs.fork"
+SAVE_XATTR = "user.pffs.save"
+LOAD_XATTR = "user.pffs.load"
+ENGINES = "engines"
 
 
 def pffs_root(path: Path) -> Path | None:
@@ -91,6 +94,9 @@ def fork(src: str, dst: str) -> int:
     """
     s, d = Path(src), Path(dst)
     man = s / MANIFEST_NAME
+    live_dst = _live_target(d)
+    if live_dst is not None:
+        return _load_into(s, *live_dst)
     if not man.is_file():
         raise PffsError(f"{s}: not a session (no manifest.json)")
     if d.exists() or d.is_symlink():
@@ -98,6 +104,15 @@ def fork(src: str, dst: str) -> int:
     rs, rd = pffs_root(s), pffs_root(d.parent)
     if rs is None or rd is None or rs != rd:
         raise PffsError("fork needs SRC and DST on the same mounted pffs")
+    rel_s = Path(os.path.relpath(os.path.realpath(s), os.path.realpath(rs)))
+    if rel_s.parts[:1] == (ENGINES,) and len(rel_s.parts) == 3:
+        # A live request: its engine pages it out to DST itself.
+        rel_d = os.path.relpath(os.path.realpath(d.parent), os.path.realpath(rd)) + "/" + d.name
+        try:
+            os.setxattr(s, SAVE_XATTR, os.fsencode(rel_d))
+        except OSError as e:
+            raise PffsError(f"{s}: the engine could not save it as {d}: {e.strerror}") from None
+        return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
     # The daemon clones the manifest it holds; if it will not (another
     # version, an S3 store, a manifest it has not accepted, a path it cannot
     # follow as given), the bytes are copied, and their close says why.
@@ -120,6 +135,41 @@ def fork(src: str, dst: str) -> int:
     # The number of page files, without listing them (10,000 names cost a
     # tenth of a second through FUSE).
     return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
+
+
+def _live_target(d: Path) -> tuple[Path, Path, str] | None:
+    """(mount root, engines/E folder, session name) when *d* is ``engines/E`` or
+    ``engines/E/NAME`` of a mounted pffs, else None."""
+    for folder, name in ((d, ""), (d.parent, d.name)):
+        if not folder.is_dir():
+            continue
+        root = pffs_root(folder)
+        if root is None:
+            continue
+        rel = Path(os.path.relpath(os.path.realpath(folder), os.path.realpath(root)))
+        if rel.parts[:1] == (ENGINES,) and len(rel.parts) == 2:
+            return root, folder, name
+    return None
+
+
+def _load_into(s: Path, root: Path, engine_dir: Path, name: str) -> int:
+    """``pffs fork SRC engines/E[/NAME]``: engine E pages SRC in itself; its page count."""
+    import json
+    man = s / MANIFEST_NAME
+    if not man.is_file():
+        raise PffsError(f"{s}: not a session (no manifest.json)")
+    if pffs_root(s) != root:
+        raise PffsError("fork needs SRC and DST on the same mounted pffs")
+    name = name or s.name
+    rel = os.path.relpath(os.path.realpath(s), os.path.realpath(root))
+    try:
+        os.setxattr(engine_dir, LOAD_XATTR, json.dumps({"session": rel, "name": name}).encode())
+    except OSError as e:
+        raise PffsError(f"{engine_dir}/{name}: the engine refused {s}: {e.strerror}") from None
+    try:
+        return len(json.loads(man.read_bytes()).get("pages", []))
+    except (OSError, ValueError):
+        return 0
 
 
 def place_manifest(d: Path, data: bytes) -> None:

@@ -24,6 +24,7 @@ import pytest
 from conftest import REPO
 from engine_bridge.agent import Agent, ReferenceAdapter
 from engine_bridge.reference import ReferenceEngine
+from mountutil import pffs as pffs_cli
 from mountutil import wait_for
 from pffs import manifest as mf
 from pffs.live import protocol
@@ -206,6 +207,54 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     e1("remove", id="req-1")
     wait_for(lambda: e1("state")["free"] == 256, what="e1's blocks released")
     assert listing(mnt / "engines/e1") == []
+
+
+def test_pffs_fork_out_of_and_into_an_engine_has_the_engine_move_the_bytes(mnt, engines):
+    """``pffs fork engines/E/REQ SNAP`` has E page REQ out itself (beside the FUSE
+    loop: no page is read through the mount), giving the session ``cp -r`` gives;
+    ``pffs fork SNAP engines/F/`` has F page it in, and it continues bit for bit."""
+    e1, e2 = engines(mnt, "e1", "e2")
+    e1("add", id="req-1", prompt=PROMPT)
+    first = e1("step", ids=["req-1"], n=30)
+    live = mnt / "engines/e1/req-1"
+    run("cp", "-r", live, mnt / "copied")
+    reads = _requests(mnt).get("read", 0)
+    r = pffs_cli("fork", live, mnt / "snap")
+    assert "forked" in r.stdout
+    assert _requests(mnt).get("read", 0) - reads < 8      # (stats.json's own reads)
+    assert tree_digest(mnt / "snap") == tree_digest(mnt / "copied")
+    m = assert_self_consistent(mnt / "snap")
+
+    reads = _requests(mnt).get("read", 0)
+    pffs_cli("fork", mnt / "snap", mnt / "engines/e2/")
+    assert _requests(mnt).get("read", 0) - reads < 8
+    assert listing(mnt / "engines/e2") == ["snap"]
+    assert e2("state")["groups"] == {"snap": ["req-1"]}
+    assert mf.parse((mnt / "engines/e2/snap/manifest.json").read_bytes()).pages == m.pages
+    want = e1("step", ids=["req-1"], n=20)
+    replay = e2("step", ids=["req-1"], n=1)
+    assert replay["tokens"]["req-1"] == first["tokens"]["req-1"][-1:]
+    assert replay["logits"]["req-1"] == first["logits"]["req-1"][-1:]
+    assert e2("step", ids=["req-1"], n=20) == want
+
+    # Refusals name the reason and change nothing.
+    mnt.allow(r"load /snap into engines/e2/snap: the engine refused")
+    mnt.allow(r"load /snap into engines/e1/again: the engine refused")
+    r = pffs_cli("fork", mnt / "snap", mnt / "engines/e2/", check=False)
+    assert r.returncode != 0 and "File exists" in r.stderr, r.stderr
+    r = pffs_cli("fork", mnt / "snap", mnt / "engines/e1/again", check=False)  # req-1 is live there
+    assert r.returncode != 0 and "Invalid argument" in r.stderr, r.stderr
+    assert listing(mnt / "engines/e1") == ["req-1"]
+    r = pffs_cli("fork", live, mnt / "snap", check=False)
+    assert r.returncode != 0 and "exists" in r.stderr
+    free = e2("state")["free"]
+    r = pffs_cli("fork", mnt / "engines/e1/nope", mnt / "snap2", check=False)
+    assert r.returncode != 0 and not (mnt / "snap2").exists()
+    assert e2("state")["free"] == free
+
+
+def _requests(mnt) -> dict:
+    return json.loads((mnt / ".pffs" / "stats.json").read_text())["requests"]
 
 
 def test_snapshots_stay_consistent_while_the_engine_decodes(mnt, engines):

@@ -314,7 +314,7 @@ def _check_permissions(mnt):
 def test_hidden_pffs_folder(mnt):
     import json
     assert ".pffs" not in os.listdir(mnt.path)
-    assert sorted(os.listdir(mnt / ".pffs")) == ["engine.sock", "stats.json", "version"]
+    assert sorted(os.listdir(mnt / ".pffs")) == ["engine.sock", "stats.json", "store.json", "version"]
     (mnt / "f").write_bytes(b"12345")
     s1 = json.loads((mnt / ".pffs" / "stats.json").read_text())
     for key in ("sessions", "files", "logical_bytes", "unique_blobs", "unique_bytes",

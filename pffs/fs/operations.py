@@ -53,6 +53,13 @@ READONLY_XATTRS = (DIGEST_XATTR, ENTRIES_XATTR, PAGES_XATTR, STORE_XATTR)
 # gives the folder a manifest.json holding the same blob, and the pages as a
 # metadata-only fork would.  No byte of the manifest crosses FUSE.
 FORK_XATTR = b"user.pffs.fork"
+# Write-only, on a live session folder engines/E/S: its value, the path of a
+# new session from the mount's root, has engine E page S out there itself.
+SAVE_XATTR = b"user.pffs.save"
+# Write-only, on an engine's folder engines/E: its value, JSON {"session":
+# path from the mount's root, "name": a session name}, has E page that
+# session in itself.
+LOAD_XATTR = b"user.pffs.load"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
 PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
@@ -551,11 +558,12 @@ class Operations(pyfuse3.Operations):
         ns.record_manifest(conn, ino, pages, digest)
         return ns.fork_pages(conn, parent, digest, uid, gid)
 
-    def _resolve_readable(self, path: bytes, ctx) -> int:
+    def _resolve_readable(self, path: bytes, ctx, folder: bool = False) -> int:
         """The inode at *path* (from the mount's root) that the caller may read:
         search permission on every folder on the way, read permission on the
         file, as the kernel would check them (the caller's supplementary
-        groups are not known here: they do not count)."""
+        groups are not known here: they do not count).  With *folder*, a
+        folder the caller may search."""
         ino = ns.ROOT_INODE
         for name in (n for n in path.split(b"/") if n and n != b"."):
             node = ns.get_inode(self.db.ro, ino)
@@ -570,6 +578,12 @@ class Operations(pyfuse3.Operations):
                 raise FsError(errno.ENOENT)
             ino = found
         node = ns.get_inode(self.db.ro, ino)
+        if folder:
+            if not node.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not _may(node, ctx, 1):
+                raise FsError(errno.EACCES)
+            return ino
         if not node.is_reg:
             raise FsError(errno.EINVAL)
         if not _may(node, ctx, 4):
@@ -610,6 +624,48 @@ class Operations(pyfuse3.Operations):
         created = await self.db.write(fn)
         self._notify("inode", folder, True)
         self._announce(created)
+
+    def _resolve_new(self, path: bytes, ctx) -> int:
+        """The folder that will hold a new entry at *path* (from the mount's root),
+        which the caller may search and write, as the kernel would check."""
+        parts = [n for n in path.split(b"/") if n and n != b"."]
+        if not parts:
+            raise FsError(errno.EINVAL)
+        ns.check_name(parts[-1])
+        parent = self._resolve_readable(b"/".join(parts[:-1]), ctx, folder=True)
+        node = ns.get_inode(self.db.ro, parent)
+        if not (_may(node, ctx, 2) and _may(node, ctx, 1)):
+            raise FsError(errno.EACCES)
+        if self.virtual.reserved(parent, parts[-1]):
+            raise FsError(errno.EINVAL)
+        if ns.lookup(self.db.ro, parent, parts[-1]) is not None:
+            raise FsError(errno.EEXIST)
+        return parent
+
+    async def _live_fork(self, inode: int, name: bytes, value: bytes, ctx) -> None:
+        """``pffs fork`` out of or into ``engines/``: the engine's bridge moves the
+        bytes itself (the direct path where its process may use the store).
+
+        SAVE_XATTR on ``engines/E/S``, value a new session's path from the
+        mount's root; LOAD_XATTR on ``engines/E``, value JSON ``{"session":
+        path, "name": name}``.  The caller's permissions are checked as for
+        writing, or reading, those paths.
+        """
+        live = self.virtual.live
+        if name == SAVE_XATTR:
+            parent = self._resolve_new(value, ctx)
+            where = "/" + os.fsdecode(value).strip("/")
+            await live.save(inode, live.reg.mountpoint + where, where)
+            self._notify("inode", parent, True)
+            return
+        try:
+            spec = json.loads(value)
+            src, target = os.fsencode(spec["session"]), str(spec["name"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise FUSEError(errno.EINVAL) from None
+        self._resolve_readable(src.rstrip(b"/") + b"/" + MANIFEST, ctx)
+        where = "/" + os.fsdecode(src).strip("/")
+        await live.load(inode, target, live.reg.mountpoint + where, where, ctx)
 
     def _announce(self, created) -> None:
         """Tell the kernel about page files that appeared by themselves (forks).
@@ -1140,6 +1196,8 @@ class Operations(pyfuse3.Operations):
     @handler
     async def setxattr(self, inode, name, value, ctx):
         if self.virtual.owns(inode):
+            if name in (SAVE_XATTR, LOAD_XATTR) and self.virtual.live is not None:
+                return await self._live_fork(inode, name, value, ctx)
             raise FUSEError(errno.EPERM)
         if name in READONLY_XATTRS:
             raise FUSEError(errno.EPERM)

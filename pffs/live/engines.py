@@ -602,6 +602,17 @@ class LiveEngine:
         finally:
             self.drop_incoming(entry)
 
+    async def save(self, session: str, path: str) -> int:
+        """Have the engine page live *session* out as a new session at *path*; its page count."""
+        reply = await self.request("save", timeout=PAGE_IN_TIMEOUT, session=session, path=path)
+        return int(reply.get("pages", 0))
+
+    async def load(self, name: str, path: str) -> list[str]:
+        """Have the engine page the session at *path* in as *name*; the sequence ids now live."""
+        reply = await self.request("load", timeout=PAGE_IN_TIMEOUT, name=name, path=path)
+        self.note_session(name)
+        return [str(s) for s in reply.get("seqs", [])]
+
     def drop_incoming(self, entry: SessionEntry) -> None:
         """Forget a session being copied in, and the memory it held."""
         inc, entry.incoming = entry.incoming, None

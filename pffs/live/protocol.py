@@ -26,6 +26,11 @@ Requests (D -> A):
 - ``page_in {name, manifest, sizes}`` + fd: a memfd holding page i at
   i*page_bytes (``sizes[i]`` its file size); page it in as session *name*
   -> ``{"seqs": [...]}``.
+- ``save {session, path}``: page the live session out as a new session at
+  *path* (absolute, in the mount), the engine's bridge moving the bytes
+  -> ``{"pages": n}``.
+- ``load {name, path}``: page the session at *path* in as session *name*
+  -> ``{"seqs": [...]}``.
 """
 
 from __future__ import annotations

@@ -39,8 +39,11 @@ REAP_INTERVAL = 1.0
 class LiveEngines:
     """Every attached engine, the socket they attach through, and their view in the mount."""
 
-    def __init__(self, socket_path: str | os.PathLike, uid: int | None = None, gid: int | None = None):
+    def __init__(self, socket_path: str | os.PathLike, uid: int | None = None, gid: int | None = None,
+                 mountpoint: str = ""):
         self.socket_path = Path(socket_path)
+        #: where the mount is, for engines asked to save to or load from a path in it
+        self.mountpoint = mountpoint
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
         self.engines: dict[str, LiveEngine] = {}

@@ -567,6 +567,45 @@ class LiveView:
             raise FUSEError(errno.EIO) from None
         log.info("engines/%s/%s: paged in (sequences %s)", eng.name, entry.name, ", ".join(seqs))
 
+    async def save(self, ino: InodeNo, path: str, where: str) -> int:
+        """``pffs fork engines/E/S DST``: engine E pages S out at *path* itself."""
+        kind, entry, _ = self._resolve(ino)
+        if kind != "session":
+            raise FUSEError(errno.EPERM)
+        if entry.incoming is not None:
+            raise FUSEError(errno.EBUSY)
+        eng = entry.engine
+        try:
+            n = await eng.save(entry.name, path)
+        except EngineRefused as e:
+            log.warning("save engines/%s/%s as %s: the engine refused: %s", eng.name, entry.name, where, e)
+            raise FUSEError(e.errno) from None
+        except EngineError as e:
+            log.warning("save engines/%s/%s as %s failed: %s", eng.name, entry.name, where, e)
+            raise FUSEError(errno.EIO) from None
+        log.info("engines/%s/%s: saved as %s (%d pages)", eng.name, entry.name, where, n)
+        return n
+
+    async def load(self, ino: InodeNo, name: str, path: str, where: str, ctx) -> list[str]:
+        """``pffs fork SRC engines/E[/NAME]``: engine E pages the session at *path* in itself."""
+        kind, eng, _ = self._resolve(ino)
+        if kind != "engine":
+            raise FUSEError(errno.EPERM)
+        if not valid_name(name):
+            raise FUSEError(errno.EINVAL)
+        if await self._find_session(eng, os.fsencode(name), _pid(ctx)) is not None:
+            raise FUSEError(errno.EEXIST)
+        try:
+            seqs = await eng.load(name, path)
+        except EngineRefused as e:
+            log.warning("load %s into engines/%s/%s: the engine refused: %s", where, eng.name, name, e)
+            raise FUSEError(e.errno) from None
+        except EngineError as e:
+            log.warning("load %s into engines/%s/%s failed: %s", where, eng.name, name, e)
+            raise FUSEError(errno.EIO) from None
+        log.info("engines/%s/%s: paged in from %s (sequences %s)", eng.name, name, where, ", ".join(seqs))
+        return seqs
+
     def _incoming_parent(self, parent: InodeNo) -> tuple[SessionEntry, IncomingSession, Node]:
         kind, obj, node = self._resolve(parent)
         if kind != "node":
