@@ -12,7 +12,11 @@ in this process, through engine_bridge.agent.  Prints MB/s of:
 - a live snapshot read through the mount: manifest.json (the daemon pins the
   blocks, gathers each page into shared staging and hashes it), then every
   page file (served from staging, or gathered again from the pinned blocks);
-- ``cp -r`` of the live session into the store, beside the page-out through the mount.
+- ``cp -r`` of the live session into the store, beside the page-out through the mount;
+- ``pffs fork`` of the live session out of ``engines/`` (the engine pages it
+  out itself) and of a session into ``engines/`` (a second engine pages it
+  in), beside the bridge's own page-out and page-in through the mount (both
+  by the direct path where this process may use the store).
 Needs root (FUSE).
 """
 
@@ -60,6 +64,18 @@ class PoolAdapter:
 
     def page_in(self, source):
         raise RuntimeError("this benchmark engine takes no sessions")
+
+
+class LoadingAdapter(PoolAdapter):
+    """An engine that pages sessions in and lets them go at once (so each load can be timed again)."""
+
+    def sequences(self):
+        return []
+
+    def page_in(self, source):
+        res = self.bridge.page_in(source)
+        self.bridge.allocator.free(res.blocks)
+        return [s.id for s in res.seqs]
 
 
 def fill(pool: KVPool) -> str:
@@ -150,6 +166,14 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
     def out_mount():
         bridge.page_out([seq], mnt.path / f"direct-{next(k)}")
     rows.append(("bridge page-out -> mount (store)", size, _best(out_mount, args.repeat)))
+    pool2 = KVPool.allocate(num_blocks=pool.num_blocks, block_size=16, n_layers=32, n_heads=8,
+                            head_dim=128, dtype=torch.bfloat16)
+    bridge2 = Bridge(pool2, RefCountingAllocator(pool2.num_blocks), engine_name="loader",
+                     model=bridge.model)
+
+    def in_mount():
+        bridge2.allocator.free(bridge2.page_in(mnt.path / "direct-0").blocks)
+    rows.append(("bridge page-in <- mount (store)", size, _best(in_mount, args.repeat)))
 
     agent = Agent(PoolAdapter(bridge, seq), mnt.path, "bench", staging_bytes=args.staging << 20)
     with agent:
@@ -170,6 +194,26 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
         def cp_live():
             subprocess.run(["cp", "-r", str(live), str(mnt.path / f"snap-{next(j)}")], check=True)
         rows.append(("live: cp -r into the store", size, _best(cp_live, args.repeat)))
+
+        f = iter(range(1000))
+        pffs = [sys.executable, "-m", "pffs.cli", "fork"]
+
+        def fork_out():
+            subprocess.run([*pffs, str(live), str(mnt.path / f"fork-{next(f)}")], check=True,
+                           capture_output=True)
+        rows.append(("live: pffs fork out of engines/ (the engine pages out)", size,
+                     _best(fork_out, args.repeat)))
+        loader = Agent(LoadingAdapter(bridge2, seq), mnt.path, "loader", staging_bytes=args.staging << 20)
+        with loader:
+            wait_for(lambda: (mnt.path / "engines" / "loader").exists(), what="the loading engine")
+            g = iter(range(1000))
+
+            def fork_in():
+                subprocess.run([*pffs, str(mnt.path / "direct-0"),
+                                str(mnt.path / "engines" / "loader" / f"s{next(g)}")], check=True,
+                               capture_output=True)
+            rows.append(("live: pffs fork into engines/ (the engine pages in)", size,
+                         _best(fork_in, args.repeat)))
         # Snapshots are released once idle; check the pins went back.
         wait_for(lambda: alloc.num_free() == pool.num_blocks - n, what="pins released")
     return rows
@@ -186,6 +230,12 @@ def report(rows: list[tuple[str, int, float]]) -> None:
     cp_live = base["live: cp -r into the store"][2]
     print(f"live snapshot read vs page-out into memory: {direct_mem / live_read:.2f}x the speed")
     print(f"cp -r of the live session vs page-out through the mount: {direct_mount / cp_live:.2f}x the speed")
+    fork_out = base["live: pffs fork out of engines/ (the engine pages out)"][2]
+    fork_in = base["live: pffs fork into engines/ (the engine pages in)"][2]
+    page_in = base["bridge page-in <- mount (store)"][2]
+    print(f"pffs fork out of engines/ vs the bridge's page-out through the mount: "
+          f"{direct_mount / fork_out:.2f}x the speed")
+    print(f"pffs fork into engines/ vs the bridge's page-in through the mount: {page_in / fork_in:.2f}x the speed")
 
 
 def _best(fn, repeat: int) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -173,6 +174,8 @@ class Bridge:
         n = len(blocks)
         if not n:
             return []
+        if self.pool.device.type == "cpu" and getattr(sink, "concurrent", False):
+            return self._write_pages_cpu(blocks, used, sink)
         st, pool, P = self.staging, self.pool, self.pool.block_size
         size = _batch_size(n, st.max_batch)
         st.reserve(size)
@@ -213,6 +216,33 @@ class Bridge:
             ex.shutdown(wait=True, cancel_futures=True)
             st.synchronize()
         return digests
+
+    def _write_pages_cpu(self, blocks: list[BlockId], used: list[int], sink) -> list[Digest]:
+        # A CPU pool has no copy engine to overlap: each I/O thread gathers its
+        # own page into a staging row of its own and hands it to the sink, so
+        # the gathers run on every core beside the hashing and compressing.
+        st, pool, P = self.staging, self.pool, self.pool.block_size
+        k = max(1, min(self.io_workers, len(blocks), st.max_batch))
+        st.reserve(k)
+        rows = st.dev(0, k)
+        free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(k):
+            free.put(i)
+
+        def one(r: int) -> Digest:
+            i = free.get()
+            try:
+                out = rows[i:i + 1]
+                pool.gather(pool.block_index([blocks[r]]), out)
+                if used[r] < P:
+                    pool.zero_tail(out, 0, used[r])
+                return sink.write_page(r, memoryview(st.host_row(0, i)))
+            finally:
+                free.put(i)
+        with ThreadPoolExecutor(k, thread_name_prefix="pffs-page-out") as ex:
+            futs = [ex.submit(one, r) for r in range(len(blocks))]
+            wait(futs)
+        return [f.result() for f in futs]
 
     def read_page(self, seq: SeqBlocks, page_no: int) -> bytes:
         """The page bytes of page *page_no* of a live sequence (for live views)."""
@@ -382,6 +412,16 @@ class Bridge:
                             for k, ix in enumerate(needed)])
         blocks = self.allocator.allocate(n)
         try:
+            if pool.device.type == "cpu":
+                # Each I/O thread scatters some of the pages: every core copies.
+                def put(k: int) -> None:
+                    half, row = divmod(k, per_half)
+                    pool.scatter(pool.block_index([blocks[k]]), st.dev(half, row + 1)[row:row + 1])
+                futs = [ex.submit(put, k) for k in range(n)]
+                wait(futs)
+                for f in futs:
+                    f.result()
+                return blocks
             st.begin()
             for j, a, b in batches(n, per_half):
                 with st.on_stream():
@@ -390,6 +430,42 @@ class Bridge:
             st.synchronize()
         except BaseException:
             st.synchronize()
+            self.allocator.free(blocks)
+            raise
+        return blocks
+
+    def _stream_cpu(self, source, manifest, needed, ex) -> list[BlockId]:
+        # A CPU pool: each I/O thread reads, verifies and scatters pages one at
+        # a time through a staging row of its own, so the copies into the pool
+        # run on every core beside the decoding and hashing.
+        st, pool, n = self.staging, self.pool, len(needed)
+        k = max(1, min(self.io_workers, n, st.max_batch))
+        rows = st.dev(0, k)
+        free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(k):
+            free.put(i)
+        blocks = self.allocator.allocate(n)
+        failed = threading.Event()
+
+        def one(r: int) -> None:
+            if failed.is_set():
+                return  # (a page before failed: this one's fate does not matter)
+            i = free.get()
+            try:
+                self._read_verified(source, manifest, needed[r], st.host_row(0, i), again=True)
+                pool.scatter(pool.block_index([blocks[r]]), rows[i:i + 1])
+            except BaseException:
+                failed.set()
+                raise
+            finally:
+                free.put(i)
+        futs = [ex.submit(one, r) for r in range(n)]
+        wait(futs)
+        try:
+            for f in futs:
+                f.result()
+        except BaseException:
+            # As below: the blocks go back free; their old, unused contents are not restored.
             self.allocator.free(blocks)
             raise
         return blocks
@@ -412,6 +488,8 @@ class Bridge:
             self._read_all(ex, [(source, manifest, unknown[r],
                                  st.host_row((r - a) % 2, (r - a) // 2), False) for r in range(a, b)])
 
+        if pool.device.type == "cpu":
+            return self._stream_cpu(source, manifest, needed, ex)
         jobs = list(batches(n, st.max_batch))
 
         def read(j: int, a: int, b: int) -> list[Future]:

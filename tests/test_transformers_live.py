@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from conftest import REPO  # noqa: E402
 from engine_bridge.transformers_adapter import TransformersEngine, llama_model  # noqa: E402
 from engine_bridge.transformers_live import TransformersLiveAdapter  # noqa: E402
+from mountutil import pffs as pffs_cli  # noqa: E402
 from mountutil import wait_for  # noqa: E402
 from pffs import manifest as mf  # noqa: E402
 from sessions import tree_digest  # noqa: E402
@@ -96,6 +97,25 @@ def test_live_transformers_request_copies_out_and_continues_in_another_engine(mn
     t2("remove", id="r")
     wait_for(lambda: t1("state")["free"] == t2("state")["free"] == BLOCKS, what="blocks released")
     assert free < BLOCKS and t2("state")["shared"] == {}
+
+
+def test_pffs_fork_out_of_and_into_transformers_engines_continues(mnt, tf_engines):
+    """``pffs fork`` out of engines/t1 and into engines/t2: the engines move the
+    bytes themselves; the session is what ``cp -r`` gives, and it continues."""
+    t1, t2 = tf_engines(mnt, "t1", "t2")
+    t1("add", id="r", prompt=PROMPT)
+    first = t1("step", ids=["r"], n=20)
+    run("cp", "-r", mnt / "engines/t1/r", mnt / "copied")
+    pffs_cli("fork", mnt / "engines/t1/r", mnt / "snap")
+    assert tree_digest(mnt / "snap") == tree_digest(mnt / "copied")
+    pffs_cli("fork", mnt / "snap", mnt / "engines/t2/")
+    assert listing(mnt / "engines/t2") == ["snap"]
+    assert t2("state")["groups"] == {"snap": ["r"]}
+    want = t1("step", ids=["r"], n=10)
+    replay = t2("step", ids=["r"], n=1)
+    assert replay["tokens"]["r"] == first["tokens"]["r"][-1:]
+    assert replay["logprobs"]["r"] == first["logprobs"]["r"][-1:]
+    assert t2("step", ids=["r"], n=10) == want
 
 
 def test_pins_hold_blocks_past_the_request():
