@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from pffs.manifest import LAYOUTS as PAGE_LAYOUTS
 from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse
@@ -229,13 +230,16 @@ class Bridge:
         for i in range(k):
             free.put(i)
 
+        mode = torch.is_inference_mode_enabled()  # (thread-local: the workers take the caller's)
+
         def one(r: int) -> Digest:
             i = free.get()
             try:
-                out = rows[i:i + 1]
-                pool.gather(pool.block_index([blocks[r]]), out)
-                if used[r] < P:
-                    pool.zero_tail(out, 0, used[r])
+                with torch.inference_mode(mode):
+                    out = rows[i:i + 1]
+                    pool.gather(pool.block_index([blocks[r]]), out)
+                    if used[r] < P:
+                        pool.zero_tail(out, 0, used[r])
                 return sink.write_page(r, memoryview(st.host_row(0, i)))
             finally:
                 free.put(i)
@@ -414,9 +418,12 @@ class Bridge:
         try:
             if pool.device.type == "cpu":
                 # Each I/O thread scatters some of the pages: every core copies.
+                mode = torch.is_inference_mode_enabled()  # (thread-local: the workers take the caller's)
+
                 def put(k: int) -> None:
                     half, row = divmod(k, per_half)
-                    pool.scatter(pool.block_index([blocks[k]]), st.dev(half, row + 1)[row:row + 1])
+                    with torch.inference_mode(mode):
+                        pool.scatter(pool.block_index([blocks[k]]), st.dev(half, row + 1)[row:row + 1])
                 futs = [ex.submit(put, k) for k in range(n)]
                 wait(futs)
                 for f in futs:
@@ -446,6 +453,7 @@ class Bridge:
             free.put(i)
         blocks = self.allocator.allocate(n)
         failed = threading.Event()
+        mode = torch.is_inference_mode_enabled()  # (thread-local: the workers take the caller's)
 
         def one(r: int) -> None:
             if failed.is_set():
@@ -453,7 +461,8 @@ class Bridge:
             i = free.get()
             try:
                 self._read_verified(source, manifest, needed[r], st.host_row(0, i), again=True)
-                pool.scatter(pool.block_index([blocks[r]]), rows[i:i + 1])
+                with torch.inference_mode(mode):
+                    pool.scatter(pool.block_index([blocks[r]]), rows[i:i + 1])
             except BaseException:
                 failed.set()
                 raise

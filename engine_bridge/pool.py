@@ -135,6 +135,7 @@ class KVPool:
         self.kv = dict(DEFAULT_KV if kv is None else kv)
         # Byte views in canonical order: [2, num_blocks, block_size, n_heads, head_dim * itemsize].
         self._canon = [t.view(torch.uint8).permute(self.layout.to_canonical) for t in self.layers]
+        self._np: list | None = None
 
     @classmethod
     def allocate(cls, *, num_blocks: int, block_size: int, n_layers: int, n_heads: int,
@@ -171,18 +172,34 @@ class KVPool:
         return buf.view(n, 2, self.n_layers, self.block_size, self.n_heads,
                         self.head_dim * self.itemsize)
 
+    def _page_np(self, buf: torch.Tensor):
+        n = buf.shape[0]
+        return buf.numpy().reshape(n, 2, self.n_layers, self.block_size, self.n_heads,
+                                   self.head_dim * self.itemsize)
+
+    def _canon_np(self) -> list:
+        """numpy views of the canonical byte views (a CPU pool's)."""
+        if self._np is None:
+            self._np = [c.numpy() for c in self._canon]
+        return self._np
+
     def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
         """Copy blocks ``index`` into ``out`` ([n, page_bytes] uint8) as page bytes.
 
         One index_select per layer for the whole batch of pages; ``out`` must be
         on the pool's device.
         """
-        o = self._page_view(out)
         if self.device.type == "cpu":
-            # Straight into the strided view: one copy, not index_select's temporary and a second.
-            for layer, c in enumerate(self._canon):
-                torch.index_select(c, 1, index, out=o.select(2, layer).transpose(0, 1))
+            # numpy copies a block and layer at a time, one copy each, on the
+            # calling thread (torch's own CPU copies of such small pieces cost
+            # several times more and start its thread pool from every caller).
+            o = self._page_np(out)
+            blocks = index.tolist()
+            for layer, c in enumerate(self._canon_np()):
+                for r, b in enumerate(blocks):
+                    o[r, :, layer] = c[:, b]
             return
+        o = self._page_view(out)
         for layer, c in enumerate(self._canon):
             o.select(2, layer).transpose(0, 1).copy_(c.index_select(1, index))
 
@@ -192,16 +209,15 @@ class KVPool:
 
     def scatter(self, index: torch.Tensor, src: torch.Tensor) -> None:
         """Copy page bytes ``src`` ([n, page_bytes] uint8) into blocks ``index``."""
-        s = self._page_view(src)
         if self.device.type == "cpu":
-            # A copy a block and layer: several times faster on the CPU than
-            # index_copy_ from a strided source (one kernel a layer suits a GPU).
+            # As in gather (one kernel a layer, below, suits a GPU).
+            s = self._page_np(src)
             blocks = index.tolist()
-            for layer, c in enumerate(self._canon):
-                sl = s.select(2, layer)
+            for layer, c in enumerate(self._canon_np()):
                 for r, b in enumerate(blocks):
-                    c[:, b].copy_(sl[r])
+                    c[:, b] = s[r, :, layer]
             return
+        s = self._page_view(src)
         for layer, c in enumerate(self._canon):
             c.index_copy_(1, index, s.select(2, layer).transpose(0, 1))
 
