@@ -26,6 +26,7 @@ import argparse
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,7 +166,8 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
 
     def out_mount():
         bridge.page_out([seq], mnt.path / f"direct-{next(k)}")
-    rows.append(("bridge page-out -> mount (store)", size, _best(out_mount, args.repeat)))
+    rows.append(("bridge page-out -> mount (store)", size,
+                 _best(out_mount, args.repeat, lambda: perturb(pool))))
     pool2 = KVPool.allocate(num_blocks=pool.num_blocks, block_size=16, n_layers=32, n_heads=8,
                             head_dim=128, dtype=torch.bfloat16)
     bridge2 = Bridge(pool2, RefCountingAllocator(pool2.num_blocks), engine_name="loader",
@@ -193,7 +195,7 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
 
         def cp_live():
             subprocess.run(["cp", "-r", str(live), str(mnt.path / f"snap-{next(j)}")], check=True)
-        rows.append(("live: cp -r into the store", size, _best(cp_live, args.repeat)))
+        rows.append(("live: cp -r into the store", size, _best(cp_live, args.repeat, lambda: perturb(pool))))
 
         f = iter(range(1000))
         pffs = [sys.executable, "-m", "pffs.cli", "fork"]
@@ -201,8 +203,6 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
         def fork_out():
             subprocess.run([*pffs, str(live), str(mnt.path / f"fork-{next(f)}")], check=True,
                            capture_output=True)
-        rows.append(("live: pffs fork out of engines/ (the engine pages out)", size,
-                     _best(fork_out, args.repeat)))
         loader = Agent(LoadingAdapter(bridge2, seq), mnt.path, "loader", staging_bytes=args.staging << 20)
         with loader:
             wait_for(lambda: (mnt.path / "engines" / "loader").exists(), what="the loading engine")
@@ -212,8 +212,21 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
                 subprocess.run([*pffs, str(mnt.path / "direct-0"),
                                 str(mnt.path / "engines" / "loader" / f"s{next(g)}")], check=True,
                                capture_output=True)
-            rows.append(("live: pffs fork into engines/ (the engine pages in)", size,
-                         _best(fork_in, args.repeat)))
+            # Alternating rounds (this host's speed drifts between runs): each
+            # pffs fork beside the bridge's own page-out or page-in, the same bytes.
+            times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "pi", "fi")}
+            for _ in range(args.repeat):
+                perturb(pool)
+                times["po"].append(timed(out_mount))
+                perturb(pool)
+                times["fo"].append(timed(fork_out))
+                times["pi"].append(timed(in_mount))
+                times["fi"].append(timed(fork_in))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            rows.append(("alternating: bridge page-out -> mount (median)", size, med["po"]))
+            rows.append(("live: pffs fork out of engines/ (median; the engine pages out)", size, med["fo"]))
+            rows.append(("alternating: bridge page-in <- mount (median)", size, med["pi"]))
+            rows.append(("live: pffs fork into engines/ (median; the engine pages in)", size, med["fi"]))
         # Snapshots are released once idle; check the pins went back.
         wait_for(lambda: alloc.num_free() == pool.num_blocks - n, what="pins released")
     return rows
@@ -230,16 +243,33 @@ def report(rows: list[tuple[str, int, float]]) -> None:
     cp_live = base["live: cp -r into the store"][2]
     print(f"live snapshot read vs page-out into memory: {direct_mem / live_read:.2f}x the speed")
     print(f"cp -r of the live session vs page-out through the mount: {direct_mount / cp_live:.2f}x the speed")
-    fork_out = base["live: pffs fork out of engines/ (the engine pages out)"][2]
-    fork_in = base["live: pffs fork into engines/ (the engine pages in)"][2]
-    page_in = base["bridge page-in <- mount (store)"][2]
+    fork_out = base["live: pffs fork out of engines/ (median; the engine pages out)"][2]
+    fork_in = base["live: pffs fork into engines/ (median; the engine pages in)"][2]
+    page_out = base["alternating: bridge page-out -> mount (median)"][2]
+    page_in = base["alternating: bridge page-in <- mount (median)"][2]
     print(f"pffs fork out of engines/ vs the bridge's page-out through the mount: "
-          f"{direct_mount / fork_out:.2f}x the speed")
-    print(f"pffs fork into engines/ vs the bridge's page-in through the mount: {page_in / fork_in:.2f}x the speed")
+          f"{page_out / fork_out:.2f}x the speed (medians of alternating rounds)")
+    print(f"pffs fork into engines/ vs the bridge's page-in through the mount: {page_in / fork_in:.2f}x "
+          "the speed (medians of alternating rounds)")
 
 
-def _best(fn, repeat: int) -> float:
-    return min(timed(fn) for _ in range(repeat))
+def _best(fn, repeat: int, setup=None) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        best = min(best, timed(fn))
+    return best
+
+
+_round = iter(range(1, 1 << 30))
+
+
+def perturb(pool: KVPool) -> None:
+    """Give every block new bytes (one value of each changes), so that a page-out
+    stores and compresses every page anew instead of finding it stored."""
+    k = next(_round)
+    pool.layers[0][0, :, 0, 0, 0] = float(k % 1000) / 7.0
 
 
 if __name__ == "__main__":

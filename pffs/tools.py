@@ -97,15 +97,17 @@ def fork(src: str, dst: str) -> int:
     live_dst = _live_target(d)
     if live_dst is not None:
         return _load_into(s, *live_dst)
-    if not man.is_file():
-        raise PffsError(f"{s}: not a session (no manifest.json)")
     if d.exists() or d.is_symlink():
         raise PffsError(f"{d}: already exists")
     rs, rd = pffs_root(s), pffs_root(d.parent)
+    rel_s = Path(os.path.relpath(os.path.realpath(s), os.path.realpath(rs))) if rs is not None else None
+    # (A live session's manifest.json is made on demand, every page hashed: not looked at here.)
+    live_src = rel_s is not None and rel_s.parts[:1] == (ENGINES,) and len(rel_s.parts) == 3
+    if not (s.is_dir() if live_src else man.is_file()):
+        raise PffsError(f"{s}: not a session (no manifest.json)")
     if rs is None or rd is None or rs != rd:
         raise PffsError("fork needs SRC and DST on the same mounted pffs")
-    rel_s = Path(os.path.relpath(os.path.realpath(s), os.path.realpath(rs)))
-    if rel_s.parts[:1] == (ENGINES,) and len(rel_s.parts) == 3:
+    if live_src:
         # A live request: its engine pages it out to DST itself.
         rel_d = os.path.relpath(os.path.realpath(d.parent), os.path.realpath(rd)) + "/" + d.name
         try:
@@ -158,10 +160,10 @@ def _load_into(s: Path, root: Path, engine_dir: Path, name: str) -> int:
     man = s / MANIFEST_NAME
     if not man.is_file():
         raise PffsError(f"{s}: not a session (no manifest.json)")
-    if pffs_root(s) != root:
+    rel = os.path.relpath(os.path.realpath(s), os.path.realpath(root))
+    if rel.startswith(".."):
         raise PffsError("fork needs SRC and DST on the same mounted pffs")
     name = name or s.name
-    rel = os.path.relpath(os.path.realpath(s), os.path.realpath(root))
     try:
         os.setxattr(engine_dir, LOAD_XATTR, json.dumps({"session": rel, "name": name}).encode())
     except OSError as e:

@@ -593,8 +593,9 @@ class LiveView:
             raise FUSEError(errno.EPERM)
         if not valid_name(name):
             raise FUSEError(errno.EINVAL)
-        if await self._find_session(eng, os.fsencode(name), _pid(ctx)) is not None:
-            raise FUSEError(errno.EEXIST)
+        entry = eng.entries.get(name)
+        if entry is not None and entry.incoming is not None:
+            raise FUSEError(errno.EEXIST)   # being copied in (a live name the engine refuses itself)
         try:
             seqs = await eng.load(name, path)
         except EngineRefused as e:
