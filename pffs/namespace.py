@@ -30,6 +30,8 @@ ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
 # are cut into blocks of this size, each its own blob.
 BLOCK_SIZE = 64 << 20
+# The largest file pffs keeps (ext4's with 4 KiB blocks); past it writes and truncates get EFBIG.
+MAX_FILE_SIZE = 16 << 40
 EMPTY_DIGEST = Digest("sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
 
 SCHEMA = """
@@ -592,6 +594,7 @@ def _is_ancestor(conn: sqlite3.Connection, anc: int, ino: int) -> bool:
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+RENAME_WHITEOUT = 4
 
 
 def rename(conn: sqlite3.Connection, old_parent: int, old_name: bytes, new_parent: int,
@@ -607,6 +610,10 @@ def rename(conn: sqlite3.Connection, old_parent: int, old_name: bytes, new_paren
     target = lookup(conn, new_parent, new_name)
     if flags & RENAME_EXCHANGE:
         raise FsError(_errno.EINVAL, "RENAME_EXCHANGE is not supported")
+    if flags & RENAME_WHITEOUT:
+        # No whiteouts here (nothing is an overlay's upper layer): refused as
+        # other filesystems without them refuse it, never taken as a plain rename.
+        raise FsError(_errno.EINVAL, "RENAME_WHITEOUT is not supported")
     if target == ino:
         return ino, None, False
     if node.is_dir and new_parent != old_parent and _is_ancestor(conn, ino, new_parent):

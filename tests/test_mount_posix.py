@@ -349,3 +349,37 @@ def test_readdir_large_and_stable(mnt):
     it.close()
     survivors = set(os.listdir(d))
     assert survivors <= seen | survivors and len(survivors) == 2500
+
+
+def _renameat2(src, dst, flags: int) -> int:
+    """renameat2(2) with *flags*; 0 or the errno."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.renameat2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(-100, os.fsencode(src), -100, os.fsencode(dst), flags)
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def test_rename_whiteout_is_refused_not_taken_as_a_plain_rename(mnt):
+    import errno
+    (mnt / "a").write_bytes(b"kept")
+    assert _renameat2(mnt / "a", mnt / "b", 4) == errno.EINVAL      # RENAME_WHITEOUT
+    assert (mnt / "a").read_bytes() == b"kept" and not (mnt / "b").exists()
+    assert _renameat2(mnt / "a", mnt / "b", 1) == 0                 # RENAME_NOREPLACE still works
+    assert (mnt / "b").read_bytes() == b"kept"
+
+
+def test_sizes_past_the_largest_file_get_efbig(mnt):
+    """truncate(1) past the largest size pffs keeps, whatever the staging folder's
+    filesystem allows: EFBIG and one log line, never EIO and a traceback."""
+    import subprocess
+    (mnt / "f").write_bytes(b"x")
+    r = subprocess.run(["truncate", "-s", "999999999999999", str(mnt / "f")], capture_output=True, text=True)
+    assert r.returncode != 0 and "File too large" in r.stderr, r.stderr
+    with open(mnt / "f", "r+b") as f:
+        with pytest.raises(OSError) as e:
+            os.pwrite(f.fileno(), b"y", 1 << 50)
+        assert e.value.errno == 27   # EFBIG
+    assert (mnt / "f").read_bytes() == b"x"
+    assert "refused (the largest file is" in mnt.log_text()

@@ -97,6 +97,9 @@ def handler(fn):
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 log.warning("%s: store is full: %s", name, e)
                 raise FUSEError(errno.ENOSPC) from None
+            if e.errno == errno.EFBIG:
+                log.info("%s: the staging folder's filesystem refused the size: %s", name, e)
+                raise FUSEError(errno.EFBIG) from None
             log.exception("%s%r failed", name, args[:2])
             raise FUSEError(errno.EIO) from None
         except Exception:
@@ -364,6 +367,7 @@ class Operations(pyfuse3.Operations):
         if fields.update_size:
             if not node.is_reg:
                 raise FUSEError(errno.EINVAL)
+            self._size_ok(inode, attr.st_size, "truncate")
             await self._truncate(inode, attr.st_size, ctx)
         t = ns.now_ns()
         changes = {}
@@ -995,6 +999,7 @@ class Operations(pyfuse3.Operations):
         of = self.handles[fh]
         if not of.writable:
             raise FUSEError(errno.EBADF)
+        self._size_ok(of.ino, off + len(buf), "write")
         st = self.states[of.ino]
         async with st.lock:
             stg = st.staging or await self._load_staging(of.ino, st)
@@ -1006,6 +1011,12 @@ class Operations(pyfuse3.Operations):
                 await trio.to_thread.run_sync(stg.write, off, buf)
             stg.mtime_ns = ns.now_ns()
         return len(buf)
+
+    def _size_ok(self, ino: int, size: int, op: str) -> None:
+        if size > ns.MAX_FILE_SIZE:
+            log.info("%s %s: %d bytes refused (the largest file is %d bytes)", op, self.path_of(ino),
+                     size, ns.MAX_FILE_SIZE)
+            raise FUSEError(errno.EFBIG)
 
     async def _truncate(self, ino: int, size: int, ctx) -> None:
         st = self._state(ino)
