@@ -38,10 +38,17 @@ class Staging:
         os.unlink(path)
         assert self.buf is not None
         view = memoryview(self.buf)[:self.size]
-        off = 0
-        while off < len(view):
-            off += os.pwrite(fd, view[off:], off)
-        os.ftruncate(fd, self.size)
+        try:
+            off = 0
+            while off < len(view):
+                off += os.pwrite(fd, view[off:], off)
+            os.ftruncate(fd, self.size)
+        except BaseException:
+            # (A full disk, say: the bytes stay in memory, and the file's room goes back now.)
+            view.release()
+            os.close(fd)
+            raise
+        view.release()
         self.budget.used -= len(self.buf)
         self.buf = None
         self.fd = fd
