@@ -24,7 +24,7 @@ from typing import Iterable
 from .errors import PffsError
 from .types import Digest, InodeNo
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -71,6 +71,8 @@ CREATE TABLE dentries (
     UNIQUE (parent, name)
 );
 CREATE INDEX dentries_inode ON dentries(inode);
+-- A folder's entries in cookie order: readdir resumes at a cookie without a scan or a sort.
+CREATE INDEX dentries_parent_id ON dentries(parent, id);
 
 -- The bytes of regular files. Block n covers bytes [n*BLOCK_SIZE, (n+1)*BLOCK_SIZE)
 -- of the file; every block of [0, size) has a row. A file of at most
@@ -345,6 +347,10 @@ MIGRATIONS: dict[int, list[str]] = {
     # 5 -> 6: page lists found whole are remembered.
     5: ["CREATE TABLE whole_lists (manifest TEXT PRIMARY KEY, files INTEGER NOT NULL,"
         " bytes INTEGER NOT NULL) WITHOUT ROWID"],
+    # 6 -> 7: a folder's entries indexed in cookie order.  Every readdir call
+    # of a large folder scanned and sorted all of it (60 ms at 100,000
+    # entries), and a listing takes one call per few dozen entries.
+    6: ["CREATE INDEX IF NOT EXISTS dentries_parent_id ON dentries(parent, id)"],
 }
 
 
@@ -428,6 +434,10 @@ import errno as _errno  # noqa: E402
 
 S_IFMT = 0o170000
 INODE_COLS = "id, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev, digest, target"
+#: A folder's entries after a readdir cookie, in cookie order: (cookie, name, *INODE_COLS).
+READDIR_SQL = (f"SELECT d.id, d.name, {', '.join('i.' + c.strip() for c in INODE_COLS.split(','))}"
+               " FROM dentries d JOIN inodes i ON i.id = d.inode WHERE d.parent=? AND d.id > ?"
+               " ORDER BY d.id")
 NAME_MAX = 255
 
 

@@ -204,6 +204,7 @@ SCHEMA_3_BLOCKS = [
 # Schema 4 had no folded forks.
 SCHEMA_4_FOLDS = ["DROP TABLE folds"]
 SCHEMA_5_WHOLE_LISTS = ["DROP TABLE whole_lists"]
+SCHEMA_6_READDIR = ["DROP INDEX dentries_parent_id"]
 
 
 def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_path):
@@ -211,7 +212,8 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     schemas 1 and 2 kept a page list per manifest file, schema 3 one per
     manifest's bytes; schemas 1-3 indexed every blocks row by blob; schemas
     1-4 made a fork's page files at once (no folds); schemas 1-5 did not
-    remember which page lists were found whole."""
+    remember which page lists were found whole; schemas 1-6 had no index of a
+    folder's entries in cookie order."""
     m = mount_factory()
     pages = varied_pages(bf16_pages, 3, salt=55)
     write_session(tmp_path / "s", pages)
@@ -221,7 +223,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
     for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS, *SCHEMA_3_BLOCKS,
-                 *SCHEMA_4_FOLDS, *SCHEMA_5_WHOLE_LISTS]:
+                 *SCHEMA_4_FOLDS, *SCHEMA_5_WHOLE_LISTS, *SCHEMA_6_READDIR]:
         conn.execute(stmt)
     conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     conn.commit()
@@ -248,6 +250,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     assert m.stop() == 0
     assert schema() == (str(ns.SCHEMA_VERSION), 0, 3, [(i, digest(p)) for i, p in enumerate(pages)])
     c = sqlite3.connect(m.store / "namespace.db")
+    assert c.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='dentries_parent_id'").fetchone()[0] == 1
     # f's pages (forked under schema 3) stay indexed by blob; g's were forked since.
     assert c.execute("SELECT COUNT(*), COUNT(via) FROM blocks").fetchone() == (3 + 3 + 3 + 3, 3)
     c.close()

@@ -132,3 +132,10 @@ def test_recording_known_manifest_bytes_needs_their_whole_page_list(conn):
         assert conn.execute("SELECT COUNT(*) FROM manifests WHERE inode=?", (g.id,)).fetchone()[0] == 0
         ns.record_manifest(conn, g.id, pages, m)     # what the daemon does then, from the bytes
     assert ns.recorded_pages(conn, m) == pages
+
+
+def test_readdir_resumes_at_a_cookie_by_index_without_a_sort(conn):
+    """Each readdir call of a large folder reads its next entries from an index in
+    cookie order: no scan of the folder, no sort (a listing is many calls)."""
+    plan = " | ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + ns.READDIR_SQL, (1, 0)))
+    assert "dentries_parent_id" in plan and "TEMP B-TREE" not in plan, plan

@@ -1160,10 +1160,7 @@ class Operations(pyfuse3.Operations):
         if self.virtual.owns(fh):
             await self.virtual.readdir(fh, start_id, token)
             return
-        cur = self.db.ro.execute(
-            f"SELECT d.id, d.name, {', '.join('i.' + c.strip() for c in ns.INODE_COLS.split(','))}"
-            " FROM dentries d JOIN inodes i ON i.id = d.inode WHERE d.parent=? AND d.id > ?"
-            " ORDER BY d.id", (fh, start_id))
+        cur = self.db.ro.execute(ns.READDIR_SQL, (fh, start_id))
         listing = self._listings.get(fh)
         if start_id == 0 or listing is None:
             if len(self._listings) >= LISTINGS_KEPT:
