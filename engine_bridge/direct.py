@@ -26,11 +26,9 @@ a reason worth knowing is logged once.
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import logging
 import os
-import secrets
 import shutil
 import threading
 from dataclasses import dataclass, field
@@ -45,7 +43,7 @@ from pffs.types import Digest, digest_of
 
 from .errors import DamagedPage, PageOutError
 from .sessions import (DirSink, DirSource, SessionSink, SessionSource, SinkLike, SourceLike,
-                       rename_noreplace)
+                       new_session_place, rename_noreplace)
 
 log = logging.getLogger("engine_bridge.direct")
 
@@ -243,19 +241,13 @@ class DirectSink:
     concurrent = True
 
     def __init__(self, dest: str | os.PathLike, access: StoreAccess):
-        self.dest = Path(dest)
-        name = self.dest.name
-        if not name or name in (".", ".."):
-            raise ValueError(f"{dest!s}: not usable as a session name")
-        if os.path.lexists(self.dest):
-            raise FileExistsError(errno.EEXIST, "session exists", str(self.dest))
+        self.dest, self.tmp = new_session_place(dest)
         self.access = access
         self.blobs = access.blobs()
         # Puts with a batch skip their own fsyncs: see commit().
         self.batch = self.blobs.batch()
         gc = GcLock(access.root)
         self.pins = gc.pin()
-        self.tmp = self.dest.parent / f".{name}.tmp-{secrets.token_hex(6)}"
         try:
             os.mkdir(self.tmp)
             os.mkdir(self.tmp / PAGES_DIR)

@@ -106,6 +106,18 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         raise
 
 
+def new_session_place(dest: str | os.PathLike) -> tuple[Path, Path]:
+    """(*dest*, the hidden temp folder beside it a session is built in): ValueError
+    for a name that cannot be one, FileExistsError for a name taken."""
+    dest = Path(dest)
+    name = dest.name
+    if not name or name in (".", ".."):
+        raise ValueError(f"{dest!s}: not usable as a session name")
+    if os.path.lexists(dest):
+        raise FileExistsError(errno.EEXIST, "session exists", str(dest))
+    return dest, dest.parent / f".{name}.tmp-{secrets.token_hex(6)}"
+
+
 class DirSink:
     """Writes a session folder at *dest* (any directory, a pffs mount included).
 
@@ -116,13 +128,7 @@ class DirSink:
     concurrent = True  # each page is its own file
 
     def __init__(self, dest: str | os.PathLike):
-        self.dest = Path(dest)
-        name = self.dest.name
-        if not name or name in (".", ".."):
-            raise ValueError(f"{dest!s}: not usable as a session name")
-        if os.path.lexists(self.dest):
-            raise FileExistsError(errno.EEXIST, "session exists", str(self.dest))
-        self.tmp = self.dest.parent / f".{name}.tmp-{secrets.token_hex(6)}"
+        self.dest, self.tmp = new_session_place(dest)
         os.mkdir(self.tmp)
         self._pages = self.tmp / PAGES_DIR
         os.mkdir(self._pages)

@@ -195,6 +195,11 @@ def _zstd_decode(payload, size: int) -> bytes:
 
 
 def _decode_planes(payload: memoryview, flags: int, raw_len: int) -> bytes:
+    return join_planes(*_plane_parts(payload, flags, raw_len))
+
+
+def _plane_parts(payload: memoryview, flags: int, raw_len: int) -> tuple:
+    """(low plane, high plane, tail) of a planes-zstd frame's payload, decompressed."""
     half = raw_len // 2
     pos = 0
     planes = []
@@ -216,7 +221,7 @@ def _decode_planes(payload: memoryview, flags: int, raw_len: int) -> bytes:
     tail = payload[pos:]
     if len(tail) != raw_len - 2 * half:
         raise CodecError("planes frame has a wrong tail length")
-    return join_planes(planes[0], planes[1], tail)
+    return planes[0], planes[1], tail
 
 
 def encode(data, codec: Codec | str = DEFAULT_CODEC) -> bytes:
@@ -292,30 +297,12 @@ def decode_into(frame, out, *, check_crc: bool = True) -> int:
         return hdr.raw_len
     payload = memoryview(frame)[HEADER_SIZE:]
     if hdr.codec.id == CODEC_PLANES_ZSTD and hdr.raw_len % 2 == 0:
-        half = hdr.raw_len // 2
-        pos = 0
-        planes = []
-        for bit in (FLAG_LO_ZSTD, FLAG_HI_ZSTD):
-            if pos + 4 > len(payload):
-                raise CodecError("planes frame truncated")
-            (n,) = _PLANE_LEN.unpack_from(payload, pos)
-            pos += 4
-            part = payload[pos:pos + n]
-            if len(part) != n:
-                raise CodecError("planes frame truncated")
-            pos += n
-            if hdr.flags & bit:
-                planes.append(_zstd_decode(part, half))
-            elif n != half:
-                raise CodecError(f"raw plane holds {n} bytes, expected {half}")
-            else:
-                planes.append(part)
-        if pos != len(payload):
-            raise CodecError("planes frame has a wrong tail length")
+        lo, hi, _ = _plane_parts(payload, hdr.flags, hdr.raw_len)
+        # Joined straight into *dst*: hi << 8 | lo, 16 bits at a time.
         w = np.frombuffer(dst, dtype="<u2")
-        w[:] = np.frombuffer(planes[1], dtype=np.uint8)
+        w[:] = np.frombuffer(hi, dtype=np.uint8)
         w <<= 8
-        w |= np.frombuffer(planes[0], dtype=np.uint8)
+        w |= np.frombuffer(lo, dtype=np.uint8)
     else:
         dst[:] = decode(frame, max(hdr.raw_len, 1), check_crc=False)
     if check_crc and zlib.crc32(dst) != hdr.crc32:
