@@ -273,7 +273,7 @@ class Daemon:
                 await self.db.checkpoint()
                 # gc frees blobs behind the daemon's back; a full disk may have
                 # room again for the reserve.
-                self.ops.content.stored_bytes = await trio.to_thread.run_sync(self.recount)
+                await trio.to_thread.run_sync(self.ops.content.recounted, self.recount)
                 await trio.to_thread.run_sync(self.reserve.ensure)
             except (OSError, sqlite3.Error) as e:
                 log.warning("periodic checkpoint: %s", e)
@@ -283,7 +283,7 @@ class Daemon:
 
     def _stored(self, nbytes: int) -> None:
         """From a commit thread: blob bytes adopted into the namespace."""
-        self.ops.content.stored_bytes += nbytes
+        self.ops.content.add_stored(nbytes)
 
     def recount(self) -> int:
         """Stored bytes of every indexed blob (from a worker thread)."""

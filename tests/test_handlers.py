@@ -47,3 +47,17 @@ def test_a_forget_past_the_lookup_count_is_said_once(ops, caplog):
     said = [r.getMessage() for r in caplog.records if "forget of inode" in r.getMessage()]
     assert said == [f"forget of inode {ino}: the kernel forgot 3 lookups, pffs counted 0"]
     assert ino not in ops.lookups
+
+
+def test_bytes_stored_while_the_store_is_recounted_are_not_lost(ops):
+    """A commit thread counts its new blob while the daemon recounts stored
+    bytes from the namespace (which does not hold that blob's row yet): the
+    recount's result keeps it, so max_size is never overrun by a lost count."""
+    content = ops.content
+    content.add_stored(1000)
+
+    def recount():
+        content.add_stored(300)   # another commit, between the namespace's sum and its use
+        return 1000
+    assert content.recounted(recount) == 1300
+    assert content.stored_bytes == 1300

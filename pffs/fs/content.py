@@ -13,6 +13,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -64,7 +65,11 @@ class ContentStore:
         self.width = threads or max(2, os.cpu_count() or 2)
         self.workers = WorkerPool(self.width, "pffs-commit")
         self.max_size = max_size
-        self.stored_bytes = 0  # kept current by the daemon for max_size checks
+        # Stored bytes, for max_size: changed by commit threads and the daemon's
+        # recount, always under _count_lock (add_stored, recounted).
+        self.stored_bytes = 0
+        self._count_lock = threading.Lock()
+        self._added = 0        # bytes add_stored has counted since the start
         # With sync_on_close every commit fsyncs its own blobs before the
         # namespace commit.  Otherwise blobs join ``pending`` and the daemon's
         # syncer (or a user's fsync) makes them durable in groups.
@@ -126,12 +131,32 @@ class ContentStore:
         pages = self.accepted_pages(digest) if self.accepted_pages is not None else None
         return pages if pages is not None else mf.parse(stg.read(0, stg.size)).pages
 
+    def add_stored(self, nbytes: int) -> None:
+        """*nbytes* more blob bytes stored (from any thread)."""
+        with self._count_lock:
+            self.stored_bytes += nbytes
+            self._added += nbytes
+
+    def recounted(self, recount) -> int:
+        """Set stored_bytes from *recount()* (the namespace's sum; from a worker thread).
+
+        Bytes added while it counted are kept on top: their rows may not be
+        committed yet, and a count lost would let writes past max_size (one
+        counted twice only says no a little early, until the next recount).
+        """
+        with self._count_lock:
+            before = self._added
+        total = recount()
+        with self._count_lock:
+            self.stored_bytes = total + (self._added - before)
+            return self.stored_bytes
+
     def _room_for(self, nbytes: int) -> bool:
         """Whether *nbytes* more stay within max_size (recounted before saying no)."""
         if self.stored_bytes + nbytes <= self.max_size:
             return True
         if self.recount is not None:
-            self.stored_bytes = self.recount()
+            self.recounted(self.recount)
         return self.stored_bytes + nbytes <= self.max_size
 
     def _store_sync(self, stg: Staging, parse_manifest: bool) -> StoredContent:
@@ -168,7 +193,7 @@ class ContentStore:
                 raise StoreFull(f"store limit of {self.max_size} bytes reached")
             r = self.blobs.put(data, d, batch=batch)
             if not r.existed:
-                self.stored_bytes += r.stored_size
+                self.add_stored(r.stored_size)
             blocks.append(d)
             rows.append(BlobRow(d, len(data), r.stored_size, r.codec))
         if self.sync_on_close:

@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 
 from ..namespace import BLOCK_SIZE
 
 
 class MemoryBudget:
-    """Bytes of staging held in memory by all open files together."""
+    """Bytes of staging held in memory by all open files together.
+
+    Changed from the event loop and from worker threads (writes and
+    truncates past a block run there): only through :meth:`add`.
+    """
 
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        """*n* more bytes held (negative: given back)."""
+        with self._lock:
+            self.used += n
 
 
 class Staging:
@@ -28,7 +39,7 @@ class Staging:
         self.buf: bytearray | None = bytearray(initial)
         self.fd: int | None = None
         self.size = len(initial)
-        budget.used += len(initial)
+        budget.add(len(initial))
         self.dirty = False
         self.version = 0          # bumped by every change; a commit clears dirty only if unchanged
         self.mtime_ns: int | None = None
@@ -49,7 +60,7 @@ class Staging:
             os.close(fd)
             raise
         view.release()
-        self.budget.used -= len(self.buf)
+        self.budget.add(-len(self.buf))
         self.buf = None
         self.fd = fd
 
@@ -66,11 +77,11 @@ class Staging:
                 self._spill()
         if self.buf is not None:
             if off == len(self.buf):        # appending: one copy, no zero fill first
-                self.budget.used += n
+                self.budget.add(n)
                 self.buf += data
             else:
                 if end > len(self.buf):
-                    self.budget.used += end - len(self.buf)
+                    self.budget.add(end - len(self.buf))
                     self.buf.extend(bytes(end - len(self.buf)))
                 self.buf[off:end] = data
         else:
@@ -88,10 +99,10 @@ class Staging:
                 self._spill()
         if self.buf is not None:
             if size < len(self.buf):
-                self.budget.used -= len(self.buf) - size
+                self.budget.add(size - len(self.buf))
                 del self.buf[size:]
             else:
-                self.budget.used += size - len(self.buf)
+                self.budget.add(size - len(self.buf))
                 self.buf.extend(bytes(size - len(self.buf)))
         else:
             os.ftruncate(self.fd, size)
@@ -122,7 +133,7 @@ class Staging:
 
     def close(self) -> None:
         if self.buf is not None:
-            self.budget.used -= len(self.buf)
+            self.budget.add(-len(self.buf))
             self.buf = None
         if self.fd is not None:
             os.close(self.fd)
