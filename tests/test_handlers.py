@@ -4,6 +4,7 @@ kernel cannot be made to do on purpose."""
 from __future__ import annotations
 
 import logging
+import os
 import stat
 
 import pytest
@@ -61,3 +62,64 @@ def test_bytes_stored_while_the_store_is_recounted_are_not_lost(ops):
         return 1000
     assert content.recounted(recount) == 1300
     assert content.stored_bytes == 1300
+
+
+class Ctx:
+    """What a FUSE request context gives the handlers."""
+    uid = 0
+    gid = 0
+    pid = 1
+    umask = 0o022
+
+
+def test_a_write_flushed_while_its_file_is_renamed_onto_manifest_json_is_checked(ops, monkeypatch):
+    """rename(x, manifest.json) validates x and queues its transaction; a write
+    and flush of x then decide, by x's name, that x is no manifest.  The
+    rename's transaction commits first: the flush's bytes now land under the
+    name manifest.json, so they are checked there (names read in the flush's
+    own transaction) and refused, and the validated manifest stays."""
+    import json
+    import threading
+    import errno
+    import pyfuse3
+    import trio.testing
+    from manifests import good
+    from pffs.fs import operations
+
+    valid = json.dumps(good()).encode()
+    renaming, go_on = threading.Event(), threading.Event()
+    real_rename = ns.rename
+
+    def held_rename(*args):
+        # The rename's transaction, in the writer thread, holding the write connection.
+        renaming.set()
+        go_on.wait(30)
+        return real_rename(*args)
+    monkeypatch.setattr(operations.ns, "rename", held_rename)
+    out = {}
+
+    async def main():
+        info, _ = await ops.create(ns.ROOT_INODE, b"x", 0o100644, os.O_WRONLY, Ctx())
+        await ops.write(info.fh, 0, valid)
+        await ops.flush(info.fh)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops.rename, ns.ROOT_INODE, b"x", ns.ROOT_INODE, b"manifest.json", 0, Ctx())
+            await trio.to_thread.run_sync(renaming.wait)     # validated, its transaction under way
+            await ops.write(info.fh, 0, b"not a manifest" + b" " * len(valid))
+
+            async def flush():
+                try:
+                    await ops.flush(info.fh)
+                    out["flush"] = 0
+                except pyfuse3.FUSEError as e:
+                    out["flush"] = e.errno
+            nursery.start_soon(flush)
+            await trio.testing.wait_all_tasks_blocked()       # the flush waits on its commit
+            go_on.set()
+        await ops.release(info.fh)
+        ino = ns.lookup(ops.db.ro, ns.ROOT_INODE, b"manifest.json")
+        out["bytes"] = ns.read_file(ops.db.ro, ops.content.blobs, ino)
+        out["recorded"] = ops.db.ro.execute("SELECT COUNT(*) FROM manifests WHERE inode=?", (ino,)).fetchone()[0]
+    trio.run(main)
+    assert out["flush"] == errno.EINVAL
+    assert out["bytes"] == valid and out["recorded"] == 1

@@ -33,7 +33,7 @@ from ..errors import IntegrityError, StoreFull, StoreUnavailable
 from ..namespace import BLOCK_SIZE, FsError
 from ..store.local import LocalBlobStore
 from .blobcache import BlobCache
-from .content import AcceptedManifest, ContentStore
+from .content import AcceptedManifest, ContentStore, StoredContent
 from .db import Database, WorkerPool
 from .direct import PAGES_XATTR, STORE_XATTR, page_verdict
 from .staging import MemoryBudget, Staging
@@ -121,6 +121,14 @@ def _may(node: ns.Inode, ctx, bit: int) -> bool:
     if ctx.gid == node.gid:
         return bool(node.mode & (bit << 3))
     return bool(node.mode & bit)
+
+
+class _LateRefusal(Exception):
+    """A commit's bytes, not checked as a manifest, found named manifest.json in its transaction."""
+
+    def __init__(self, error: mf.ManifestError):
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass
@@ -1057,10 +1065,21 @@ class Operations(pyfuse3.Operations):
         was_empty = st.blocks == []     # known committed content: none
 
         def fn(conn, stored):
+            m = stored.manifest
+            if m is None and any(n == MANIFEST for _, n in ns.names_of(conn, ino)):
+                # It took the name manifest.json after the check above (a rename
+                # committed meanwhile): its bytes are checked here, where the
+                # names are those this transaction commits against.
+                try:
+                    if stored.size > mf.MAX_MANIFEST_BYTES:
+                        raise mf.ManifestError("manifest", f"{stored.size} bytes exceed the "
+                                               f"{mf.MAX_MANIFEST_BYTES}-byte cap")
+                    m = mf.parse(stg.read(0, stored.size))
+                except mf.ManifestError as e:
+                    raise _LateRefusal(e) from None
             ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
                            stg.mtime_ns, was_empty=was_empty)
             created = []
-            m = stored.manifest
             if isinstance(m, AcceptedManifest):
                 # A fork's manifest: its page list is the accepted one's, unless
                 # that went with its last holder since (then it is parsed anew).
@@ -1081,6 +1100,8 @@ class Operations(pyfuse3.Operations):
                 then=lambda stored: self.db.run_in_transaction(fn, stored))
         except StoreFull as e:
             raise StoreFull(f"{self.path_of(ino)}: {e}") from None  # the log line names the file
+        except _LateRefusal as e:
+            stored = StoredContent(stg.size, "", [], [], manifest_error=e.error)
         if stored.manifest_error is not None:
             where = self.path_of(ino)
             log.warning("close %s: refused manifest: %s", where, stored.manifest_error)
