@@ -302,11 +302,18 @@ class Daemon:
             return namespace.recorded_pages(self.db.rw, digest)
 
     def snapshot(self) -> None:
-        """Copy the namespace database into snapshots/ (a few kept)."""
+        """Copy the namespace database into snapshots/ (a few kept).
+
+        From a connection of its own, in one read transaction (WAL): commits
+        go on meanwhile; the copy is the database as of its start.
+        """
         from .snapshots import take_snapshot
         try:
-            with self.db.rw_lock:
-                take_snapshot(self.db.rw, self.store.snapshot_dir, self.opts.snapshots_kept)
+            conn = namespace.connect(self.store.db_path, readonly=True)
+            try:
+                take_snapshot(conn, self.store.snapshot_dir, self.opts.snapshots_kept)
+            finally:
+                conn.close()
         except (OSError, sqlite3.Error) as e:
             log.warning("namespace snapshot failed: %s", e)
         except Exception:

@@ -123,3 +123,45 @@ def test_a_write_flushed_while_its_file_is_renamed_onto_manifest_json_is_checked
     trio.run(main)
     assert out["flush"] == errno.EINVAL
     assert out["bytes"] == valid and out["recorded"] == 1
+
+
+def test_changes_commit_while_the_namespace_is_snapshotted(tmp_path, monkeypatch):
+    """The periodic snapshot copies the database beside the writers: a change
+    commits while the copy is still being made durable."""
+    import threading
+    from pffs import snapshots
+    from pffs.daemon import Daemon, MountOptions
+    store = StoreDir(tmp_path / "store")
+    store.create()
+    ns.open_db(store.root).close()
+    d = Daemon(store, tmp_path / "mnt", MountOptions())
+    d.db = Database(store.db_path)
+    copying, done = threading.Event(), threading.Event()
+    real_fsync = snapshots.os.fsync
+
+    def slow_fsync(fd):
+        copying.set()
+        done.wait(30)       # a slow disk, until the change below has committed
+        real_fsync(fd)
+    monkeypatch.setattr(snapshots.os, "fsync", slow_fsync)
+    t = threading.Thread(target=d.snapshot)
+    t.start()
+    try:
+        assert copying.wait(30)
+        committed = threading.Event()
+
+        def change():
+            d.db.run_in_transaction(lambda c: ns.make_inode(c, ns.ROOT_INODE, b"n", stat.S_IFDIR | 0o755, 0, 0))
+            committed.set()
+        threading.Thread(target=change, daemon=True).start()
+        assert committed.wait(10), "a commit waited for the snapshot"
+    finally:
+        done.set()
+        t.join(30)
+        d.db.close()
+    snaps = snapshots.list_snapshots(store.snapshot_dir)
+    assert len(snaps) == 1
+    import sqlite3
+    c = sqlite3.connect(snaps[0])
+    assert c.execute("SELECT COUNT(*) FROM dentries WHERE name=?", (b"n",)).fetchone()[0] == 0  # as of its start
+    c.close()
