@@ -165,3 +165,36 @@ def test_changes_commit_while_the_namespace_is_snapshotted(tmp_path, monkeypatch
     c = sqlite3.connect(snaps[0])
     assert c.execute("SELECT COUNT(*) FROM dentries WHERE name=?", (b"n",)).fetchone()[0] == 0  # as of its start
     c.close()
+
+
+def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_path, monkeypatch):
+    """Past the staging memory budget a write moves the file's staged bytes to
+    disk: file I/O of up to a block, in a worker thread, never on the loop."""
+    import threading
+    from pffs.fs import staging
+    store = StoreDir(tmp_path / "store")
+    store.create()
+    ns.open_db(store.root).close()
+    db = Database(store.db_path)
+    content = ContentStore(store.blobs, store.staging_dir)
+    o = Operations(db, content, staging_memory=1 << 20)
+    where = []
+    real_spill = staging.Staging._spill
+
+    def spill(self):
+        where.append(threading.current_thread() is threading.main_thread())
+        real_spill(self)
+    monkeypatch.setattr(staging.Staging, "_spill", spill)
+
+    async def main():
+        info, _ = await o.create(ns.ROOT_INODE, b"f", 0o100644, os.O_WRONLY, Ctx())
+        for k in range(4):
+            await o.write(info.fh, k << 19, b"x" * (1 << 19))   # the third write crosses 1 MiB
+        await o.release(info.fh)
+    try:
+        trio.run(main)
+    finally:
+        content.workers.stop()
+        o.prefetcher.stop()
+        db.close()
+    assert where == [False]

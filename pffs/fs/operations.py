@@ -1018,10 +1018,8 @@ class Operations(pyfuse3.Operations):
         st = self.states[of.ino]
         async with st.lock:
             stg = st.staging or await self._load_staging(of.ino, st)
-            if stg.in_memory and off + len(buf) <= len(stg.buf or b""):
-                stg.write(off, buf)
-            elif stg.in_memory and off + len(buf) <= BLOCK_SIZE:
-                stg.write(off, buf)
+            if stg.in_memory and not stg.spills(off, len(buf)):
+                stg.write(off, buf)     # (a copy into memory: no file I/O on the loop)
             else:
                 await trio.to_thread.run_sync(stg.write, off, buf)
             stg.mtime_ns = ns.now_ns()

@@ -68,6 +68,14 @@ class Staging:
         self.dirty = True
         self.version += 1
 
+    def spills(self, off: int, n: int) -> bool:
+        """Whether writing *n* bytes at *off* moves the buffer to disk (work for a worker thread)."""
+        if self.buf is None:
+            return False
+        end = off + n
+        grow = max(0, end - len(self.buf))
+        return end > BLOCK_SIZE or bool(grow and self.budget.used + grow > self.budget.limit)
+
     def write(self, off: int, data) -> int:
         n = len(data)
         end = off + n
