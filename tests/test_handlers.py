@@ -198,3 +198,27 @@ def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_pat
         o.prefetcher.stop()
         db.close()
     assert where == [False]
+
+
+def test_stats_json_figures_are_computed_again_only_after_a_change(ops, monkeypatch):
+    """lookup, getattr and open of .pffs/stats.json each need its size: the
+    namespace's figures (a pass over its tables) are computed once per change,
+    and a change shows at once."""
+    import json
+    from pffs.fs import virtual
+    calls = []
+    real = virtual.ns.stats
+    monkeypatch.setattr(virtual.ns, "stats", lambda conn: calls.append(1) or real(conn))
+
+    async def main():
+        for _ in range(5):
+            await ops.getattr(virtual.STATS, Ctx())
+        before = len(calls)
+        await ops.mkdir(ns.ROOT_INODE, b"d", 0o40755, Ctx())
+        a = await ops.getattr(virtual.STATS, Ctx())
+        info = await ops.open(virtual.STATS, os.O_RDONLY, Ctx())
+        data = await ops.read(info.fh, 0, 1 << 16)
+        return before, len(calls), a.st_size, data
+    before, after, size, data = trio.run(main)
+    assert before == 1 and after == 2
+    assert size > 0 and json.loads(data)["files"] == 0

@@ -43,6 +43,7 @@ class VirtualTree:
         self.live = None
         #: The bytes of store.json (set by the daemon: pffs.fs.direct.store_info)
         self.store_json = b"{}\n"
+        self._stats: tuple[int, dict] | None = None   # (db generation, namespace figures)
 
     def attach_live(self, view) -> None:
         """Serve ``engines/`` through *view*; its open files share this handle table."""
@@ -76,7 +77,12 @@ class VirtualTree:
 
     def _content(self, ino: int) -> bytes:
         if ino == STATS:
-            figures = ns.stats(self.ops.db.ro).to_json()
+            # The namespace's figures take a pass over its tables: computed again
+            # only once something committed (lookup, getattr and open each ask).
+            gen = self.ops.db.generation
+            if self._stats is None or self._stats[0] != gen:
+                self._stats = (gen, ns.stats(self.ops.db.ro).to_json())
+            figures = dict(self._stats[1])
             figures["cache"] = {"bytes": self.ops.cache.used, "hits": self.ops.cache.hits,
                                 "misses": self.ops.cache.misses,
                                 "fetched_by_reads": self.ops.fetched_by_reads}
