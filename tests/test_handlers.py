@@ -222,3 +222,33 @@ def test_stats_json_figures_are_computed_again_only_after_a_change(ops, monkeypa
     before, after, size, data = trio.run(main)
     assert before == 1 and after == 2
     assert size > 0 and json.loads(data)["files"] == 0
+
+
+def test_statfs_counts_inodes_again_only_after_a_change(ops, monkeypatch):
+    """df asks often: the inode count (a pass over a table) is taken once per change."""
+    counted = []
+    real = ops.db.ro
+
+    class Counting:
+        def execute(self, sql, *args):
+            if "COUNT(*) FROM inodes" in sql:
+                counted.append(1)
+            return real.execute(sql, *args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    async def main():
+        ops.db.ro = Counting()
+        try:
+            for _ in range(4):
+                await ops.statfs(Ctx())
+            first = ops.content._inodes[1]
+            await ops.mkdir(ns.ROOT_INODE, b"d", 0o40755, Ctx())
+            await ops.statfs(Ctx())
+        finally:
+            ops.db.ro = real
+        return first, ops.content._inodes[1]
+    first, after = trio.run(main)
+    assert len(counted) == 2
+    assert after == first + 1          # (the inodes pffs holds; the disk's free ones come on top)

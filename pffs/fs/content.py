@@ -69,6 +69,7 @@ class ContentStore:
         # recount, always under _count_lock (add_stored, recounted).
         self.stored_bytes = 0
         self._count_lock = threading.Lock()
+        self._inodes: tuple[int | None, int] | None = None   # (db generation, inode count) for statfs
         self._added = 0        # bytes add_stored has counted since the start
         # With sync_on_close every commit fsyncs its own blobs before the
         # namespace commit.  Otherwise blobs join ``pending`` and the daemon's
@@ -206,7 +207,9 @@ class ContentStore:
             digest = Digest("sha256:" + whole.hexdigest())
         return StoredContent(size, digest, blocks, rows, manifest=manifest)
 
-    def statfs(self, conn) -> pyfuse3.StatvfsData:
+    def statfs(self, conn, generation: int | None = None) -> pyfuse3.StatvfsData:
+        """The mount's statfs; *generation* (the database's) lets the inode count,
+        a pass over a table, be kept until something commits."""
         s = os.statvfs(self.blobs.root)
         frsize = 4096
         total = s.f_blocks * s.f_frsize
@@ -214,8 +217,11 @@ class ContentStore:
         if self.max_size is not None:
             total = min(total, self.max_size)
             free = max(0, min(free, self.max_size - self.stored_bytes))
-        n_inodes = conn.execute("SELECT (SELECT COUNT(*) FROM inodes)"
-                                " + (SELECT COALESCE(SUM(files), 0) FROM folds)").fetchone()[0]
+        if generation is None or self._inodes is None or self._inodes[0] != generation:
+            n = conn.execute("SELECT (SELECT COUNT(*) FROM inodes)"
+                             " + (SELECT COALESCE(SUM(files), 0) FROM folds)").fetchone()[0]
+            self._inodes = (generation, n)
+        n_inodes = self._inodes[1]
         out = pyfuse3.StatvfsData()
         out.f_bsize = 1 << 20
         out.f_frsize = frsize
