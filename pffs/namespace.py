@@ -24,7 +24,7 @@ from typing import Iterable
 from .errors import PffsError
 from .types import Digest, InodeNo
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -47,7 +47,7 @@ CREATE TABLE meta (
 -- An inode whose nlink is 0 is unlinked but still open or looked up by the
 -- kernel; it is deleted at the last forget/release (or at the next mount).
 CREATE TABLE inodes (
-    id        INTEGER PRIMARY KEY,   -- inode number (FUSE ino)
+    id        INTEGER PRIMARY KEY AUTOINCREMENT,  -- inode number (FUSE ino); never reused
     mode      INTEGER NOT NULL,      -- st_mode: file type bits | permission bits
     uid       INTEGER NOT NULL,
     gid       INTEGER NOT NULL,
@@ -64,7 +64,7 @@ CREATE TABLE inodes (
 -- Directory entries. The row id is the stable readdir cookie of the entry.
 -- Names are raw bytes (never '.', '..', never containing '/' or NUL).
 CREATE TABLE dentries (
-    id      INTEGER PRIMARY KEY,
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,  -- readdir cookie; never reused
     parent  INTEGER NOT NULL REFERENCES inodes(id),  -- a directory inode
     name    BLOB NOT NULL,
     inode   INTEGER NOT NULL REFERENCES inodes(id),
@@ -308,6 +308,22 @@ def open_db(store_root: str | os.PathLike, *, create_missing: bool = True,
     return conn
 
 
+INODE_COLUMNS = ("id INTEGER PRIMARY KEY AUTOINCREMENT, mode INTEGER NOT NULL, uid INTEGER NOT NULL,"
+                 " gid INTEGER NOT NULL, size INTEGER NOT NULL DEFAULT 0, atime_ns INTEGER NOT NULL,"
+                 " mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, nlink INTEGER NOT NULL,"
+                 " rdev INTEGER NOT NULL DEFAULT 0, digest TEXT, target BLOB")
+DENTRY_COLUMNS = ("id INTEGER PRIMARY KEY AUTOINCREMENT, parent INTEGER NOT NULL REFERENCES inodes(id),"
+                  " name BLOB NOT NULL, inode INTEGER NOT NULL REFERENCES inodes(id), UNIQUE (parent, name)")
+
+
+def _rebuilt(table: str, columns: str) -> str:
+    return f"CREATE TABLE {table}_8 ({columns})"
+
+
+def _copy(table: str) -> str:
+    return f"INSERT INTO {table}_8 SELECT * FROM {table}"
+
+
 # Forward migrations: MIGRATIONS[v] turns schema v into v+1.
 MIGRATIONS: dict[int, list[str]] = {
     # 1 -> 2: no index of names across directories.  Every page file created
@@ -351,6 +367,16 @@ MIGRATIONS: dict[int, list[str]] = {
     # of a large folder scanned and sorted all of it (60 ms at 100,000
     # entries), and a listing takes one call per few dozen entries.
     6: ["CREATE INDEX IF NOT EXISTS dentries_parent_id ON dentries(parent, id)"],
+    # 7 -> 8: inode numbers and readdir cookies are never reused (AUTOINCREMENT).
+    # The largest id of a table was given again once its row went, so a
+    # process holding the old number (an NFS handle, a cookie of an open
+    # listing) could name another file.
+    7: [_rebuilt("inodes", INODE_COLUMNS), _copy("inodes"), "DROP TABLE inodes",
+        "ALTER TABLE inodes_8 RENAME TO inodes",
+        _rebuilt("dentries", DENTRY_COLUMNS), _copy("dentries"), "DROP TABLE dentries",
+        "ALTER TABLE dentries_8 RENAME TO dentries",
+        "CREATE INDEX dentries_inode ON dentries(inode)",
+        "CREATE INDEX dentries_parent_id ON dentries(parent, id)"],
 }
 
 
@@ -903,7 +929,9 @@ def _make_pages(conn: sqlite3.Connection, pdir: int, manifest: str, uid: int, gi
     # meanwhile.  Page i gets inode first + i (a page left out leaves a gap),
     # so the rows inserted are the ids from first on, and each one's page
     # index is its id - first.
-    first = conn.execute("SELECT COALESCE(MAX(id), 0) + 1 FROM inodes").fetchone()[0]
+    # (Past every id ever given, not only the live ones: ids are never reused.)
+    first = conn.execute("SELECT MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name='inodes'), 0),"
+                         " COALESCE((SELECT MAX(id) FROM inodes), 0)) + 1").fetchone()[0]
     args = dict(m=manifest, bs=BLOCK_SIZE, dir=pdir, first=first, mode=mode, uid=uid, gid=gid, t=t)
     # Pages not stored (the session stays incomplete) or too large to be one
     # blob (never a page) are left out, as are names pages/ holds already.

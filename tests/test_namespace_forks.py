@@ -139,3 +139,32 @@ def test_readdir_resumes_at_a_cookie_by_index_without_a_sort(conn):
     cookie order: no scan of the folder, no sort (a listing is many calls)."""
     plan = " | ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + ns.READDIR_SQL, (1, 0)))
     assert "dentries_parent_id" in plan and "TEMP B-TREE" not in plan, plan
+
+
+def test_inode_numbers_and_cookies_are_never_given_again(conn):
+    """The newest file removed, the next one gets a new inode number and a new
+    readdir cookie (the old ones may still be held by someone); a fork's page
+    files too."""
+    import stat as st
+    with ns.transaction(conn):
+        a = ns.make_inode(conn, ns.ROOT_INODE, b"a", st.S_IFREG | 0o644, 0, 0).id
+    cookie = conn.execute("SELECT id FROM dentries WHERE inode=?", (a,)).fetchone()[0]
+    with ns.transaction(conn):
+        ns.unlink(conn, ns.ROOT_INODE, b"a", lambda ino: False)
+    assert conn.execute("SELECT COUNT(*) FROM inodes WHERE id=?", (a,)).fetchone()[0] == 0
+    with ns.transaction(conn):
+        b = ns.make_inode(conn, ns.ROOT_INODE, b"b", st.S_IFREG | 0o644, 0, 0).id
+    assert b > a
+    assert conn.execute("SELECT id FROM dentries WHERE inode=?", (b,)).fetchone()[0] > cookie
+    with ns.transaction(conn):
+        ns.unlink(conn, ns.ROOT_INODE, b"b", lambda ino: False)
+    # A fork's page files (ids given by one INSERT ... SELECT) come after them too.
+    store_blobs(conn, [0, 1])
+    s, p, m = session(conn, b"s", [digest(0), digest(1)], "sha256:" + "ee" * 32)
+    with ns.transaction(conn):
+        gone = ns.make_inode(conn, p, b"x", st.S_IFREG | 0o644, 0, 0).id
+        ns.unlink(conn, p, b"x", lambda ino: False)
+        ns.make_inode(conn, p, b"keep", st.S_IFREG | 0o644, 0, 0)   # (pages/ not empty: no fold)
+        ns.fork_pages(conn, s, "sha256:" + "ee" * 32, 0, 0)
+    made = [i for (i,) in conn.execute("SELECT inode FROM dentries WHERE parent=? AND name != ?", (p, b"keep"))]
+    assert len(made) == 2 and min(made) > gone

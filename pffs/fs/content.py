@@ -69,7 +69,7 @@ class ContentStore:
         # recount, always under _count_lock (add_stored, recounted).
         self.stored_bytes = 0
         self._count_lock = threading.Lock()
-        self._inodes: tuple[int | None, int] | None = None   # (db generation, inode count) for statfs
+        self._inodes: tuple[int | None, int] | None = None   # (db data_version, inode count) for statfs
         self._added = 0        # bytes add_stored has counted since the start
         # With sync_on_close every commit fsyncs its own blobs before the
         # namespace commit.  Otherwise blobs join ``pending`` and the daemon's
@@ -208,8 +208,8 @@ class ContentStore:
         return StoredContent(size, digest, blocks, rows, manifest=manifest)
 
     def statfs(self, conn, generation: int | None = None) -> pyfuse3.StatvfsData:
-        """The mount's statfs; *generation* (the database's) lets the inode count,
-        a pass over a table, be kept until something commits."""
+        """The mount's statfs; *generation* (the database's data_version) lets the
+        inode count, a pass over a table, be kept until something commits."""
         s = os.statvfs(self.blobs.root)
         frsize = 4096
         total = s.f_blocks * s.f_frsize

@@ -89,6 +89,11 @@ class Database:
         # an earlier generation may be stale (see operations.DirIndex).
         self.generation = 0
 
+    def data_version(self) -> int:
+        """Changes whenever any connection, of this process or another (gc), has
+        committed since ``ro`` last looked (SQLite's PRAGMA data_version; O(1))."""
+        return self.ro.execute("PRAGMA data_version").fetchone()[0]
+
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(rw_conn, *args)`` in one transaction in the writer thread."""
         return await self.writer.call(self._run, fn, args)

@@ -1216,7 +1216,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def statfs(self, ctx):
-        return self.content.statfs(self.db.ro, self.db.generation)
+        return self.content.statfs(self.db.ro, self.db.data_version())
 
     # -- extended attributes ----------------------------------------------------
 

@@ -43,7 +43,7 @@ class VirtualTree:
         self.live = None
         #: The bytes of store.json (set by the daemon: pffs.fs.direct.store_info)
         self.store_json = b"{}\n"
-        self._stats: tuple[int, dict] | None = None   # (db generation, namespace figures)
+        self._stats: tuple[int, dict] | None = None   # (db data_version, namespace figures)
 
     def attach_live(self, view) -> None:
         """Serve ``engines/`` through *view*; its open files share this handle table."""
@@ -79,7 +79,7 @@ class VirtualTree:
         if ino == STATS:
             # The namespace's figures take a pass over its tables: computed again
             # only once something committed (lookup, getattr and open each ask).
-            gen = self.ops.db.generation
+            gen = self.ops.db.data_version()
             if self._stats is None or self._stats[0] != gen:
                 self._stats = (gen, ns.stats(self.ops.db.ro).to_json())
             figures = dict(self._stats[1])
