@@ -252,3 +252,33 @@ def test_statfs_counts_inodes_again_only_after_a_change(ops, monkeypatch):
     first, after = trio.run(main)
     assert len(counted) == 2
     assert after == first + 1          # (the inodes pffs holds; the disk's free ones come on top)
+
+
+def test_editing_a_file_of_several_blocks_stages_it_a_block_at_a_time(ops, monkeypatch):
+    """Opening a file of three 64 MiB blocks for a 1-byte write stages its bytes
+    one block at a time (into the spill file), never the whole file in memory."""
+    from pffs.fs import staging
+    from pffs.namespace import BLOCK_SIZE
+    zero = bytes(BLOCK_SIZE)
+    d = ops.content.blobs.put(zero).digest
+    biggest = []
+    real_write = staging.Staging.write
+    monkeypatch.setattr(staging.Staging, "write",
+                        lambda self, off, data: biggest.append(len(data)) or real_write(self, off, data))
+
+    async def main():
+        def mk(conn):
+            node = ns.make_inode(conn, ns.ROOT_INODE, b"big", stat.S_IFREG | 0o644, 0, 0)
+            ns.set_content(conn, node.id, 3 * BLOCK_SIZE, "sha256:" + "00" * 32, [d, d, d],
+                           [ns.BlobRow(d, BLOCK_SIZE, ops.content.blobs.stored_size(d), "")], None)
+            return node.id
+        ino = await ops.db.write(mk)
+        info = await ops.open(ino, os.O_WRONLY, Ctx())
+        await ops.write(info.fh, 3 * BLOCK_SIZE - 1, b"!")
+        stg = ops.states[ino].staging
+        out = (stg.size, stg.in_memory, stg.read(3 * BLOCK_SIZE - 2, 2))
+        await ops.release(info.fh)
+        return out
+    size, in_memory, tail = trio.run(main)
+    assert size == 3 * BLOCK_SIZE and not in_memory and tail == b"\0!"
+    assert max(biggest) <= BLOCK_SIZE

@@ -993,17 +993,18 @@ class Operations(pyfuse3.Operations):
     async def _load_staging(self, ino: int, st: InodeState, empty: bool = False) -> Staging:
         """Stage a file for change, starting from its committed bytes (or none)."""
         node = ns.get_inode(self.db.ro, ino)
-        initial = b""
-        if node.size and not empty:
-            blocks = ns.blocks_of(self.db.ro, ino)
-            initial = b"".join([await self._blob(d, ino) for d in blocks])
-        stg = Staging(self.budget, str(self.content.staging_dir), b"")
-        if initial:
-            if len(initial) <= BLOCK_SIZE:
-                stg = Staging(self.budget, str(self.content.staging_dir), initial)
-            else:
-                await trio.to_thread.run_sync(stg.write, 0, initial)
-            stg.dirty = False
+        blocks = ns.blocks_of(self.db.ro, ino) if node.size and not empty else []
+        if len(blocks) == 1:
+            stg = Staging(self.budget, str(self.content.staging_dir), await self._blob(blocks[0], ino))
+        else:
+            # A block at a time into the staging (past one block, its spill
+            # file): a file larger than memory is never held whole.
+            stg = Staging(self.budget, str(self.content.staging_dir), b"")
+            for bn, d in enumerate(blocks):
+                data = await self._blob(d, ino)
+                await trio.to_thread.run_sync(stg.write, bn * BLOCK_SIZE, data)
+                del data
+        stg.dirty = False
         st.staging = stg
         return stg
 
