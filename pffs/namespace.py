@@ -57,7 +57,8 @@ CREATE TABLE inodes (
     ctime_ns  INTEGER NOT NULL,
     nlink     INTEGER NOT NULL,      -- directory entries naming it (directories: 2 + subdirectories)
     rdev      INTEGER NOT NULL DEFAULT 0,  -- device number of block/char device nodes, else 0
-    digest    TEXT,                  -- regular files: 'sha256:<hex>' of the whole content; NULL otherwise
+    digest    TEXT,                  -- regular files of at most one block: 'sha256:<hex>' of the content
+                                     -- (its blob's name); NULL otherwise (larger files: reckoned when asked)
     target    BLOB                   -- symlinks: the target bytes; NULL otherwise
 );
 

@@ -282,3 +282,38 @@ def test_editing_a_file_of_several_blocks_stages_it_a_block_at_a_time(ops, monke
     size, in_memory, tail = trio.run(main)
     assert size == 3 * BLOCK_SIZE and not in_memory and tail == b"\0!"
     assert max(biggest) <= BLOCK_SIZE
+
+
+def test_a_small_write_into_a_file_of_several_blocks_commits_that_block_only(ops, monkeypatch):
+    """One byte changed in the middle block of three: one block is hashed and
+    stored again, the other two are named as they were; the file reads back
+    with the change, and its digest (reckoned when asked) is its bytes'."""
+    import hashlib
+    from pffs.fs import content as content_mod
+    from pffs.fs.operations import DIGEST_XATTR
+    from pffs.namespace import BLOCK_SIZE
+    blocks = [bytes([65 + i]) * BLOCK_SIZE for i in range(3)]
+    ds = [ops.content.blobs.put(b).digest for b in blocks]
+    hashed = []
+    real = content_mod.digest_of
+    ops.content.zero_digest(BLOCK_SIZE)   # (reckoned once a daemon: not the commit's work)
+    monkeypatch.setattr(content_mod, "digest_of", lambda data: hashed.append(len(data)) or real(data))
+
+    async def main():
+        def mk(conn):
+            node = ns.make_inode(conn, ns.ROOT_INODE, b"big", stat.S_IFREG | 0o644, 0, 0)
+            ns.set_content(conn, node.id, 3 * BLOCK_SIZE, None, ds,
+                           [ns.BlobRow(d, BLOCK_SIZE, ops.content.blobs.stored_size(d), "") for d in ds], None)
+            return node.id
+        ino = await ops.db.write(mk)
+        info = await ops.open(ino, os.O_RDWR, Ctx())
+        await ops.write(info.fh, BLOCK_SIZE + 5, b"!")
+        await ops.release(info.fh)
+        after = ns.blocks_of(ops.db.ro, ino)
+        got = await ops.getxattr(ino, DIGEST_XATTR, Ctx())
+        return after, got
+    after, got = trio.run(main)
+    assert len(hashed) == 1 and after[0] == ds[0] and after[2] == ds[2] and after[1] != ds[1]
+    changed = blocks[1][:5] + b"!" + blocks[1][6:]
+    assert ops.content.blobs.get(after[1]) == changed
+    assert got.decode() == "sha256:" + hashlib.sha256(blocks[0] + changed + blocks[2]).hexdigest()

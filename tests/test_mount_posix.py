@@ -383,3 +383,28 @@ def test_sizes_past_the_largest_file_get_efbig(mnt):
         assert e.value.errno == 27   # EFBIG
     assert (mnt / "f").read_bytes() == b"x"
     assert "refused (the largest file is" in mnt.log_text()
+
+
+def test_a_4_tib_sparse_file_costs_its_written_block_only(mnt):
+    """truncate -s 4T, a 1-byte write at 4 TiB - 1, rm: holes are not read, hashed,
+    compressed or stored (each hole is the one zero blob), and a small write
+    into the big file commits the block it touched.  Before, each of these
+    steps took time in proportion to the size (4 TiB: hours)."""
+    import json
+    import subprocess
+
+    def stored():
+        return json.loads((mnt / ".pffs" / "stats.json").read_text())["stored_bytes"]
+    s0 = stored()
+    f = mnt / "sparse"
+    f.touch()
+    subprocess.run(["truncate", "-s", "4T", str(f)], check=True, timeout=120)
+    assert os.stat(f).st_size == 4 << 40
+    with open(f, "r+b") as fh:
+        os.pwrite(fh.fileno(), b"!", (4 << 40) - 1)
+    with open(f, "rb") as fh:
+        assert os.pread(fh.fileno(), 3, (4 << 40) - 3) == b"\0\0!"
+        assert os.pread(fh.fileno(), 4, 1 << 40) == b"\0\0\0\0"
+    assert stored() - s0 < 1 << 20     # the zero blob and the last block, compressed
+    os.unlink(f)
+    assert not f.exists()

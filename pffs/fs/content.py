@@ -46,7 +46,7 @@ class AcceptedManifest:
 @dataclass
 class StoredContent:
     size: int
-    digest: str
+    digest: str | None      # None for a file of several blocks (reckoned when asked for)
     blocks: list[str]
     blob_rows: list[BlobRow]
     manifest: mf.Manifest | AcceptedManifest | None = None
@@ -70,6 +70,7 @@ class ContentStore:
         self.stored_bytes = 0
         self._count_lock = threading.Lock()
         self._inodes: tuple[int | None, int] | None = None   # (db data_version, inode count) for statfs
+        self._zero_digests: dict[int, str] = {}
         self._added = 0        # bytes add_stored has counted since the start
         # With sync_on_close every commit fsyncs its own blobs before the
         # namespace commit.  Otherwise blobs join ``pending`` and the daemon's
@@ -180,32 +181,55 @@ class ContentStore:
             except mf.ManifestError as e:
                 return StoredContent(size, "", [], [], manifest_error=e)
         nblocks = -(-size // BLOCK_SIZE)
-        whole = hashlib.sha256() if nblocks > 1 else None
         batch = self.blobs.batch() if self.sync_on_close else self.pending
         blocks: list[str] = []
         rows: list[BlobRow] = []
+        zeros: dict[int, str] = {}    # holes met in this commit: length -> stored zero blob
         for bn in range(nblocks):
+            n = min(BLOCK_SIZE, size - bn * BLOCK_SIZE)
+            if nblocks > 1:
+                # A file of several blocks re-commits only what changed: a block
+                # still as committed is named again (this file's rows hold its
+                # blob until this commit replaces them), a hole is the zero blob.
+                d = stg.clean.get(bn)
+                if d is not None:
+                    blocks.append(d)
+                    continue
+                if stg.is_hole(bn):
+                    if n not in zeros:
+                        zeros[n] = self._put(bytes(n), self.zero_digest(n), batch, rows)
+                    blocks.append(zeros[n])
+                    continue
             data = stg.view(bn)
             d = first if bn == 0 and first is not None else digest_of(data)
-            if whole is not None:
-                whole.update(data)
-            if self.max_size is not None and not self.blobs.contains(d) \
-                    and not self._room_for(len(data)):
-                raise StoreFull(f"store limit of {self.max_size} bytes reached")
-            r = self.blobs.put(data, d, batch=batch)
-            if not r.existed:
-                self.add_stored(r.stored_size)
-            blocks.append(d)
-            rows.append(BlobRow(d, len(data), r.stored_size, r.codec))
+            blocks.append(self._put(data, d, batch, rows))
         if self.sync_on_close:
             batch.sync()
         if nblocks == 0:
             digest = EMPTY_DIGEST
-        elif whole is None:
+        elif nblocks == 1:
             digest = blocks[0]
         else:
-            digest = Digest("sha256:" + whole.hexdigest())
+            digest = None   # (sha256 of every byte: reckoned when user.pffs.digest asks)
         return StoredContent(size, digest, blocks, rows, manifest=manifest)
+
+    def _put(self, data, d: str, batch, rows: list[BlobRow]) -> str:
+        """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""
+        if self.max_size is not None and not self.blobs.contains(d) \
+                and not self._room_for(len(data)):
+            raise StoreFull(f"store limit of {self.max_size} bytes reached")
+        r = self.blobs.put(data, d, batch=batch)
+        if not r.existed:
+            self.add_stored(r.stored_size)
+        rows.append(BlobRow(d, len(data), r.stored_size, r.codec))
+        return d
+
+    def zero_digest(self, n: int) -> str:
+        """The digest of *n* zero bytes (reckoned once a length; a hole's)."""
+        d = self._zero_digests.get(n)
+        if d is None:
+            d = self._zero_digests[n] = digest_of(bytes(n))
+        return d
 
     def statfs(self, conn, generation: int | None = None) -> pyfuse3.StatvfsData:
         """The mount's statfs; *generation* (the database's data_version) lets the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -997,13 +998,21 @@ class Operations(pyfuse3.Operations):
         if len(blocks) == 1:
             stg = Staging(self.budget, str(self.content.staging_dir), await self._blob(blocks[0], ino))
         else:
-            # A block at a time into the staging (past one block, its spill
-            # file): a file larger than memory is never held whole.
+            # A block at a time into the staging's spill file, never the whole
+            # file in memory; blocks of zeros stay holes, read nor written.
             stg = Staging(self.budget, str(self.content.staging_dir), b"")
+            zero = {}
+            if blocks:
+                await trio.to_thread.run_sync(stg.truncate, node.size)
+                for n in {BLOCK_SIZE, node.size - (len(blocks) - 1) * BLOCK_SIZE}:
+                    zero[n] = await trio.to_thread.run_sync(self.content.zero_digest, n)
             for bn, d in enumerate(blocks):
+                if d == zero[min(BLOCK_SIZE, node.size - bn * BLOCK_SIZE)]:
+                    continue
                 data = await self._blob(d, ino)
                 await trio.to_thread.run_sync(stg.write, bn * BLOCK_SIZE, data)
                 del data
+            stg.clean = dict(enumerate(blocks))
         stg.dirty = False
         st.staging = stg
         return stg
@@ -1269,6 +1278,13 @@ class Operations(pyfuse3.Operations):
                 async with st.lock:
                     await self._commit(inode, st)
                 node = ns.get_inode(self.db.ro, inode)
+            if node.digest is None:
+                # Several blocks: no commit hashes every byte (a small write into a
+                # large file re-commits one block), so it is reckoned here.
+                h = hashlib.sha256()
+                for d in ns.blocks_of(self.db.ro, inode):
+                    await trio.to_thread.run_sync(h.update, await self._blob(d, inode))
+                return ("sha256:" + h.hexdigest()).encode()
             return node.digest.encode()
         if name == STORE_XATTR and inode == ns.ROOT_INODE:
             return self.virtual.store_json  # .pffs/store.json in one request, for bridges

@@ -7,6 +7,7 @@ is exceeded, so files larger than RAM can be written.  Holes read as zeros.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import threading
@@ -43,6 +44,10 @@ class Staging:
         self.dirty = False
         self.version = 0          # bumped by every change; a commit clears dirty only if unchanged
         self.mtime_ns: int | None = None
+        # Blocks whose bytes are still those of a committed blob (block number ->
+        # digest), set when a file of several blocks is staged: a commit reuses
+        # them without reading, hashing or storing them again.
+        self.clean: dict[int, str] = {}
 
     def _spill(self) -> None:
         fd, path = tempfile.mkstemp(prefix="open-", dir=self.spill_dir)
@@ -68,6 +73,31 @@ class Staging:
         self.dirty = True
         self.version += 1
 
+    def _touch(self, off: int, end: int) -> None:
+        """Bytes [off, end) change: their blocks are no longer clean."""
+        if not self.clean or end <= off:
+            return
+        lo, hi = off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE
+        if hi - lo > len(self.clean):
+            for bn in [b for b in self.clean if lo <= b <= hi]:
+                del self.clean[bn]
+        else:
+            for bn in range(lo, hi + 1):
+                self.clean.pop(bn, None)
+
+    def is_hole(self, blockno: int) -> bool:
+        """Whether block *blockno* holds no data in the spill file (so reads as zeros),
+        known without reading it (SEEK_DATA)."""
+        if self.fd is None:
+            return False
+        off = blockno * BLOCK_SIZE
+        end = min(off + BLOCK_SIZE, self.size)
+        try:
+            pos = os.lseek(self.fd, off, os.SEEK_DATA)
+        except OSError as e:
+            return e.errno == errno.ENXIO   # (no data past off; EINVAL: not known here)
+        return pos >= end
+
     def spills(self, off: int, n: int) -> bool:
         """Whether writing *n* bytes at *off* moves the buffer to disk (work for a worker thread)."""
         if self.buf is None:
@@ -79,6 +109,7 @@ class Staging:
     def write(self, off: int, data) -> int:
         n = len(data)
         end = off + n
+        self._touch(off, end)
         if self.buf is not None:
             grow = max(0, end - len(self.buf))
             if end > BLOCK_SIZE or (grow and self.budget.used + grow > self.budget.limit):
@@ -102,6 +133,7 @@ class Staging:
         return n
 
     def truncate(self, size: int) -> None:
+        self._touch(min(size, self.size), max(size, self.size))
         if self.buf is not None:
             if size > BLOCK_SIZE or size - len(self.buf) + self.budget.used > self.budget.limit:
                 self._spill()
