@@ -317,3 +317,30 @@ def test_a_small_write_into_a_file_of_several_blocks_commits_that_block_only(ops
     changed = blocks[1][:5] + b"!" + blocks[1][6:]
     assert ops.content.blobs.get(after[1]) == changed
     assert got.decode() == "sha256:" + hashlib.sha256(blocks[0] + changed + blocks[2]).hexdigest()
+
+
+def test_a_write_past_the_end_changes_the_old_last_block_too(ops):
+    """A file of a block and 10 bytes, written past its end in a later block:
+    its old, partly filled last block now runs on with zeros and is stored
+    anew (found by fsstress: it was named again as committed, 10 bytes long)."""
+    from pffs.namespace import BLOCK_SIZE
+    head = bytes([7]) * BLOCK_SIZE
+    ds = [ops.content.blobs.put(head).digest, ops.content.blobs.put(b"0123456789").digest]
+
+    async def main():
+        def mk(conn):
+            node = ns.make_inode(conn, ns.ROOT_INODE, b"f", stat.S_IFREG | 0o644, 0, 0)
+            ns.set_content(conn, node.id, BLOCK_SIZE + 10, None, ds,
+                           [ns.BlobRow(ds[0], BLOCK_SIZE, 1, ""), ns.BlobRow(ds[1], 10, 1, "")], None)
+            return node.id
+        ino = await ops.db.write(mk)
+        info = await ops.open(ino, os.O_RDWR, Ctx())
+        await ops.write(info.fh, 3 * BLOCK_SIZE + 1, b"!")
+        await ops.release(info.fh)
+        return ino
+    ino = trio.run(main)
+    after = ns.blocks_of(ops.db.ro, ino)
+    assert len(after) == 4 and after[0] == ds[0]
+    sizes = [len(ops.content.blobs.get(d)) for d in after]
+    assert sizes == [BLOCK_SIZE, BLOCK_SIZE, BLOCK_SIZE, 2]
+    assert ops.content.blobs.get(after[1])[:12] == b"0123456789\0\0"

@@ -109,7 +109,8 @@ class Staging:
     def write(self, off: int, data) -> int:
         n = len(data)
         end = off + n
-        self._touch(off, end)
+        # (Past the end, the old last block's tail turns from nothing to zeros: touched too.)
+        self._touch(min(off, self.size), end)
         if self.buf is not None:
             grow = max(0, end - len(self.buf))
             if end > BLOCK_SIZE or (grow and self.budget.used + grow > self.budget.limit):
