@@ -340,8 +340,27 @@ class Daemon:
         log.info("unmounted %s", self.mountpoint)
 
 
+def _fix_mmap_threshold() -> None:
+    """Buffers of 1 MiB and more always come from mmap, and go back when freed.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time such a buffer is
+    freed; the daemon's block-sized buffers (reads, decodes, commits on several
+    threads) then stay in its heaps.  Under fsstress -n 500 -p 4 the daemon's
+    peak RSS went from 1.14 GB to 0.73-0.84 GB with the threshold fixed.
+    """
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return  # (not glibc)
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    mallopt(M_TRIM_THRESHOLD, 1 << 20)
+
+
 def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foreground: bool,
         ready_fd: int | None = None) -> int:
+    _fix_mmap_threshold()
     st = StoreDir(store_dir, opts.codec, remote=opts.remote)
     mp = Path(mountpoint).absolute()
 
