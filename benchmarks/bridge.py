@@ -47,7 +47,11 @@ from pffs import codec  # noqa: E402
 from pffs.offline import StoreSessionSink, StoreSessionSource  # noqa: E402
 
 KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"
-GEOM = dict(block_size=16, n_layers=32, n_heads=8, head_dim=128)
+GEOMETRIES = {
+    "8b": dict(block_size=16, n_layers=32, n_heads=8, head_dim=128),     # Llama-3.1-8B: 2 MiB pages
+    "small": dict(block_size=16, n_layers=6, n_heads=12, head_dim=32),   # all-MiniLM-L6-v2: 144 KiB pages
+}
+GEOM = GEOMETRIES["8b"]
 
 class ConcurrentStoreSink(StoreSessionSink):
     """StoreSessionSink taking pages from several threads (its blob puts are thread-safe)."""
@@ -159,8 +163,12 @@ def main() -> int:
     ap.add_argument("--staging-mib", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b",
+                    help="page geometry: 8b (2 MiB pages, default) or small (144 KiB pages)")
     ap.add_argument("--threads", default="1,2", help="the bridge's I/O thread counts to measure (default 1,2)")
     args = ap.parse_args()
+    global GEOM
+    GEOM = GEOMETRIES[args.geometry]
     torch.manual_seed(0)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -174,7 +182,8 @@ def main() -> int:
     n_tokens = num_blocks * GEOM["block_size"] - 5
     seq = SeqBlocks("req-0", order, n_tokens, None)
     total = num_blocks * page
-    print(f"pool: {total / 2**20:.0f} MiB bf16 (Llama-3.1-8B geometry: 32 layers x 8 KV heads x 128), "
+    print(f"pool: {total / 2**20:.0f} MiB bf16 ({args.geometry} geometry: {GEOM['n_layers']} layers x "
+          f"{GEOM['n_heads']} KV heads x {GEOM['head_dim']}), "
           f"{num_blocks} pages of {page / 2**20:.1f} MiB, one sequence of {n_tokens} tokens; {what}")
     print(f"staging: {args.staging_mib} MiB host buffers ({'pinned' if torch.cuda.is_available() else 'plain'}), "
           f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cores, sessions under {args.dir}; "

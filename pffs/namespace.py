@@ -743,6 +743,13 @@ def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
         forget_manifest(conn, ino)
 
 
+def insert_blob_rows(conn: sqlite3.Connection, rows: list[BlobRow]) -> None:
+    """Rows of blobs already stored (and synced) that the namespace did not know."""
+    t = now_ns()
+    conn.executemany("INSERT OR IGNORE INTO blobs (digest, raw_size, stored_size, codec, created_ns)"
+                     " VALUES (?,?,?,?,?)", [(r.digest, r.raw_size, r.stored_size, r.codec, t) for r in rows])
+
+
 def drop_blocks(conn: sqlite3.Connection, ino: int) -> None:
     """Delete the blocks rows of *ino*; a pageset left without rows lets its pages go."""
     vias = [v for (v,) in conn.execute("SELECT DISTINCT via FROM blocks WHERE inode=? AND via IS NOT NULL",

@@ -247,19 +247,13 @@ def _referenced(conn: sqlite3.Connection, digests) -> set[str]:
 
 
 def _update_blob_rows(conn: sqlite3.Connection, new: list[ns.BlobRow], gone: list[str]) -> None:
-    _insert_blob_rows(conn, new)
+    ns.insert_blob_rows(conn, new)
     for d in gone:
         # Only if still unreferenced: a commit since may have named it (and
         # then its own put or lookup found it stored).
         conn.execute("DELETE FROM blobs WHERE digest=?"
                      " AND NOT EXISTS (SELECT 1 FROM blocks WHERE blob=? AND via IS NULL)"
                      " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)", (d, d, d))
-
-
-def _insert_blob_rows(conn: sqlite3.Connection, rows: list[ns.BlobRow]) -> None:
-    t = ns.now_ns()
-    conn.executemany("INSERT OR IGNORE INTO blobs (digest, raw_size, stored_size, codec, created_ns)"
-                     " VALUES (?,?,?,?,?)", [(r.digest, r.raw_size, r.stored_size, r.codec, t) for r in rows])
 
 
 def attach(daemon) -> RemoteMount:

@@ -26,7 +26,7 @@ import stat
 from .. import manifest as mf
 from .. import namespace as ns
 from ..codec import CODEC_RAW, HEADER_SIZE
-from ..errors import CodecError, IntegrityError, MissingBlob
+from ..errors import IntegrityError
 from ..namespace import BLOCK_SIZE, BlobRow
 from ..store.local import LocalBlobStore, PutBatch
 from ..types import Digest, is_digest
@@ -107,7 +107,7 @@ class LocalAdopter:
             batch.add(str(self.blobs.path(Digest(r.digest))))
         if self.pending is None:
             batch.sync()
-        self.db.run_in_transaction(_insert_blob_rows, rows)
+        self.db.run_in_transaction(ns.insert_blob_rows, rows)
         if self.on_stored is not None:
             self.on_stored(sum(r.stored_size for r in rows))
         log.debug("adopted %d blobs put beside the mount", len(rows))
@@ -117,21 +117,13 @@ class LocalAdopter:
         try:
             hdr = self.blobs.header(digest)
             size = self.blobs.stored_size(digest)
-        except (MissingBlob, IntegrityError):
-            return None
-        except CodecError:
+        except IntegrityError:   # (missing, or a header that does not parse)
             return None
         if hdr.raw_len > BLOCK_SIZE:
             return None
         if hdr.codec.id == CODEC_RAW and size != HEADER_SIZE + hdr.raw_len:
             return None
         return BlobRow(digest, hdr.raw_len, size, hdr.codec.name)
-
-
-def _insert_blob_rows(conn: sqlite3.Connection, rows: list[BlobRow]) -> None:
-    t = ns.now_ns()
-    conn.executemany("INSERT OR IGNORE INTO blobs (digest, raw_size, stored_size, codec, created_ns)"
-                     " VALUES (?,?,?,?,?)", [(r.digest, r.raw_size, r.stored_size, r.codec, t) for r in rows])
 
 
 def page_verdict(conn: sqlite3.Connection, session_dir: int, dirty: set[int]) -> dict | None:
