@@ -26,6 +26,7 @@ import trio
 
 from . import namespace
 from .errors import PffsError
+from .fs.staging import journal_inode
 from .store.local import LocalBlobStore
 from .storedir import StoreDir
 
@@ -181,8 +182,14 @@ class Daemon:
             stored = conn.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
         finally:
             conn.close()
-        for p in st.staging_dir.iterdir():
-            p.unlink()
+        # Spill files of the previous run: a journal file holds fsynced bytes
+        # (replayed before serving); any other was never fsynced.
+        self.journals = []
+        for p in sorted(st.staging_dir.iterdir()):
+            if journal_inode(p.name) is not None:
+                self.journals.append(str(p))
+            else:
+                p.unlink()
         for p in st.blobs.temp_files():
             p.unlink()
         self.db = Database(st.db_path)
@@ -199,6 +206,7 @@ class Daemon:
         content.accepted_pages = self.accepted_pages
         self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
                               staging_memory=self.opts.staging_memory)
+        self.ops.journal_fsync = st.url is None
         self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
         self.ops.virtual.store_json = direct.store_json(direct.store_info(st, self.opts))
         if isinstance(st.blobs, LocalBlobStore):
@@ -244,6 +252,8 @@ class Daemon:
             # stat() of the mount needs the loop to answer: do it from a thread.
             nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
             nursery.start_soon(self.live.serve)
+            if self.journals:
+                await self.ops.replay_journals(self.journals)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
         with trio.CancelScope(shield=True):

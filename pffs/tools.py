@@ -43,8 +43,25 @@ def daemon_info(mountpoint: Path) -> dict[str, str]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Whether process *pid* still runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 def umount(mountpoint: str, timeout: float = 60.0) -> None:
+    import signal
     import subprocess
+    import sys
     import time
     mp = Path(mountpoint).absolute()
     try:
@@ -60,12 +77,20 @@ def umount(mountpoint: str, timeout: float = 60.0) -> None:
     r = subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, text=True)
     if r.returncode != 0:
         msg = (r.stderr.strip().splitlines() or ["fusermount3 failed"])[-1]
-        raise PffsError(f"{mp}: {msg.replace('fusermount3: ', '')}")
+        msg = msg.replace('fusermount3: ', '')
+        if "busy" not in msg or not pid:
+            raise PffsError(f"{mp}: {msg}")
+        # In use (a shell's folder, an open file): the daemon detaches the mount
+        # (what those clients still ask fails from then on), commits what was
+        # written, and exits.
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError as e:
+            raise PffsError(f"{mp}: {msg} (and the daemon {pid}: {e.strerror})") from None
+        print(f"pffs umount: {mp}: busy; detached, its daemon {pid} stops", file=sys.stderr)
     deadline = time.monotonic() + timeout
     while pid and time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _alive(pid):
             return
         time.sleep(0.05)
     if pid:

@@ -194,6 +194,9 @@ class ContentStore:
                 d = stg.clean.get(bn)
                 if d is not None:
                     blocks.append(d)
+                    row = stg.early_rows.get(d)
+                    if row is not None:
+                        rows.append(row)    # (stored by write-behind: new to the namespace)
                     continue
                 if stg.is_hole(bn):
                     if n not in zeros:
@@ -212,6 +215,21 @@ class ContentStore:
         else:
             digest = None   # (sha256 of every byte: reckoned when user.pffs.digest asks)
         return StoredContent(size, digest, blocks, rows, manifest=manifest)
+
+    def store_block(self, stg: Staging, fd: int, bn: int) -> BlobRow:
+        """Write-behind, in a worker thread: store block *bn* of a staged file now
+        (*fd*: the spill file's, duplicated for this call), pinned until the
+        file's commit names it.  Returns the blob's row."""
+        data = os.pread(fd, BLOCK_SIZE, bn * BLOCK_SIZE)
+        if len(data) < BLOCK_SIZE:
+            data += bytes(BLOCK_SIZE - len(data))   # (a hole at the end)
+        d = digest_of(data)
+        rows: list[BlobRow] = []
+        with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
+            self._put(data, d, self.pending, rows)
+            if stg.pins is not None:
+                stg.pins.add([d])
+        return rows[0]
 
     def _put(self, data, d: str, batch, rows: list[BlobRow]) -> str:
         """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""

@@ -88,6 +88,7 @@ class Database:
         # Bumped after every committed change: what was read from ``ro`` at
         # an earlier generation may be stale (see operations.DirIndex).
         self.generation = 0
+        self._synced = -1       # the generation that sync_wal last made durable
 
     def data_version(self) -> int:
         """Changes whenever any connection, of this process or another (gc), has
@@ -147,7 +148,13 @@ class Database:
                 os.close(fd)
 
     async def sync_wal(self) -> None:
+        """Make every commit of this daemon so far durable; nothing to do when
+        none came since the last time (an fsync() that journaled only)."""
+        gen = self.generation
+        if gen == self._synced:
+            return
         await trio.to_thread.run_sync(self.sync_wal_sync, limiter=self.limiter)
+        self._synced = max(self._synced, gen)
 
     def close(self) -> None:
         self.writer.stop()

@@ -37,7 +37,7 @@ from .blobcache import BlobCache
 from .content import AcceptedManifest, ContentStore, StoredContent
 from .db import Database, WorkerPool
 from .direct import PAGES_XATTR, STORE_XATTR, page_verdict
-from .staging import MemoryBudget, Staging
+from .staging import MemoryBudget, Staging, journal_inode
 from .virtual import VirtualTree
 
 log = logging.getLogger("pffs.fs")
@@ -64,6 +64,9 @@ LOAD_XATTR = b"user.pffs.load"
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
 PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
+# Writes to (and reads of) a staged file on disk up to this size are done on
+# the event loop: a pwrite into the page cache costs less than a hand-off.
+SMALL_WRITE = 64 << 10
 PREFETCH_WINDOW = 64   # page files whose content one query reads (see PageWindow)
 LISTINGS_KEPT = 8           # directories whose listing order is remembered (see Listing)
 LISTING_MAX = 1 << 16       # entries remembered of one listing (about 100 bytes each)
@@ -145,6 +148,7 @@ class InodeState:
     # Created under a name other than manifest.json and given no other name
     # since (rename and link clear it): a commit need not look up its names.
     plain: bool = False
+    behind: dict[int, trio.Event] = field(default_factory=dict)   # write-behind jobs, by block
 
 
 @dataclass
@@ -203,6 +207,13 @@ class Operations(pyfuse3.Operations):
         self._said_negative = False          # a forget found a lookup count going below 0
         self.states: dict[int, InodeState] = {}
         self.handles: dict[int, OpenFile] = {}
+        # fsync() of a staged file journals its bytes rather than committing them
+        # (off for an S3 store: there, fsync uploads).
+        self.journal_fsync = True
+        # Full blocks of a file being written are stored while it is written
+        # (off where a commit uploads or syncs its blobs: S3, -o sync=close).
+        self.write_behind = not content.sync_on_close
+        self.behind_limiter = trio.CapacityLimiter(2)
         self._next_fh = 1
         self._loading: dict[str, trio.Event] = {}
         self._prefetched: dict[int, int] = {}  # directory inode -> last page index prefetched
@@ -971,7 +982,7 @@ class Operations(pyfuse3.Operations):
         if st is not None and st.staging is not None:
             async with st.lock:
                 if st.staging is not None:
-                    if st.staging.in_memory:
+                    if st.staging.in_memory or size <= SMALL_WRITE:
                         return st.staging.read(off, size)
                     return await trio.to_thread.run_sync(st.staging.read, off, size)
         if st is None or st.blocks is None:
@@ -1028,12 +1039,58 @@ class Operations(pyfuse3.Operations):
         st = self.states[of.ino]
         async with st.lock:
             stg = st.staging or await self._load_staging(of.ino, st)
-            if stg.in_memory and not stg.spills(off, len(buf)):
-                stg.write(off, buf)     # (a copy into memory: no file I/O on the loop)
+            was_in_memory = stg.in_memory
+            if (stg.in_memory and not stg.spills(off, len(buf))) \
+                    or (not stg.in_memory and len(buf) <= SMALL_WRITE):
+                # A copy into memory, or a small one into the spill file's page
+                # cache (a database's pages): not worth a thread's hand-off.
+                stg.write(off, buf)
             else:
                 await trio.to_thread.run_sync(stg.write, off, buf)
             stg.mtime_ns = ns.now_ns()
+            end = off + len(buf)
+            if end >= BLOCK_SIZE and self.write_behind and not stg.in_memory \
+                    and self.nursery is not None:
+                # (Blocks the write ends, and those before it when it moved the file to disk.)
+                lo = 0 if was_in_memory else off // BLOCK_SIZE
+                for bn in range(lo, min(end, stg.size) // BLOCK_SIZE):
+                    if bn not in stg.clean and bn not in stg.inflight:
+                        stg.inflight.add(bn)
+                        stg.spoiled.discard(bn)
+                        st.behind[bn] = trio.Event()
+                        self.nursery.start_soon(self._write_behind, of.ino, st, stg, bn)
         return len(buf)
+
+    async def _write_behind(self, ino: int, st: InodeState, stg: Staging, bn: int) -> None:
+        """A writer just wrote the last bytes of block *bn*: store it now, in a
+        worker thread, while the writer goes on (a sequential writer's commit is
+        then its last block only).  Its blob is named at the commit if no write
+        touched the block meanwhile (``Staging.spoiled``)."""
+        done = st.behind[bn]
+        row = None
+        fd = -1
+        try:
+            if stg.fd is None:
+                return
+            fd = os.dup(stg.fd)
+            if stg.pins is None and self.content.gc_lock is not None:
+                stg.pins = self.content.gc_lock.pin()
+            row = await trio.to_thread.run_sync(self.content.store_block, stg, fd, bn,
+                                                limiter=self.behind_limiter)
+        except (OSError, StoreFull, ValueError) as e:
+            # (The commit stores the block itself, and reports what fails then.)
+            log.debug("write-behind of block %d of inode %d: %s", bn, ino, e)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            stg.inflight.discard(bn)
+            del st.behind[bn]
+            done.set()
+        if row is not None and bn not in stg.spoiled and st.staging is stg \
+                and (bn + 1) * BLOCK_SIZE <= stg.size:
+            stg.clean[bn] = row.digest
+            stg.early_rows[row.digest] = row
+        stg.spoiled.discard(bn)
 
     def _size_ok(self, ino: int, size: int, op: str) -> None:
         if size > ns.MAX_FILE_SIZE:
@@ -1064,6 +1121,8 @@ class Operations(pyfuse3.Operations):
         manifest, else EINVAL and the staged bytes are dropped (the previous
         content stays).
         """
+        while st.behind:    # blocks being stored by write-behind: their results first
+            await next(iter(st.behind.values())).wait()
         stg = st.staging
         if stg is None or not stg.dirty:
             return
@@ -1107,6 +1166,7 @@ class Operations(pyfuse3.Operations):
                 stg, parse_manifest=is_manifest,
                 then=lambda stored: self.db.run_in_transaction(fn, stored))
         except StoreFull as e:
+            stg.forget_early()     # (gc may take write-behind's blobs: room comes back sooner)
             raise StoreFull(f"{self.path_of(ino)}: {e}") from None  # the log line names the file
         except _LateRefusal as e:
             stored = StoredContent(stg.size, "", [], [], manifest_error=e.error)
@@ -1119,6 +1179,7 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EINVAL)
         st.blocks, st.size = stored.blocks, stored.size
         stg.dirty = False
+        stg.unsynced = 0
         self._announce(created)
 
     async def _drop_state_if_idle(self, ino: int) -> None:
@@ -1138,17 +1199,27 @@ class Operations(pyfuse3.Operations):
             if st.opens > 0:
                 return
             if st.staging is not None:
-                st.staging.close()
+                stg = st.staging
                 st.staging = None  # a release waiting on the lock finds nothing left to commit
+                if stg.journaled and not stg.dirty:
+                    # Its fsynced bytes are committed: that commit is made durable
+                    # before the journal file goes.
+                    await self.content.sync_pending()
+                    await self.db.sync_wal()
+                stg.close()
+                if st.opens > 0:
+                    return      # (opened again meanwhile)
         if self.states.get(ino) is st:  # (such a waiter may come second)
             del self.states[ino]
             await self._maybe_delete(ino)
 
     @handler
-    async def flush(self, fh, any_handle=False):
+    async def flush(self, fh):
         if fh in self.virtual.handles:
             return await self.virtual.flush(fh)
-        of = self.handles[fh]
+        await self._flush(self.handles[fh])
+
+    async def _flush(self, of: OpenFile, any_handle: bool = False) -> None:
         st = self.states.get(of.ino)
         # A reader's close neither commits nor fails on a writer's staged bytes
         # (say, left by a close that failed); fsync of any handle does commit.
@@ -1161,9 +1232,61 @@ class Operations(pyfuse3.Operations):
     async def fsync(self, fh, datasync):
         if fh in self.virtual.handles:
             return
-        await self.flush(fh, True)
+        of = self.handles[fh]
+        st = self.states.get(of.ino)
+        if st is not None and st.staging is not None and st.staging.dirty and self.journal_fsync:
+            async with st.lock:
+                stg = st.staging
+                if stg is not None and stg.dirty and (stg.journaled or stg.journal_pays()) \
+                        and not self._named_manifest(of.ino, st):
+                    # Durable, not committed: the staged bytes go to a journal file
+                    # (flushed), at the cost of what changed since the last fsync; the
+                    # close commits them. A manifest.json is committed (and checked) now.
+                    await trio.to_thread.run_sync(stg.journal, of.ino)
+        if not (st is not None and st.staging is not None and st.staging.journaled):
+            await self._flush(of, True)
         await self.content.sync_pending()
         await self.db.sync_wal()
+
+    def _named_manifest(self, ino: int, st: InodeState) -> bool:
+        return not st.plain and any(n == MANIFEST for _, n in ns.names_of(self.db.ro, ino))
+
+    async def replay_journals(self, paths: list[str]) -> None:
+        """At mount, before serving: commit the bytes that fsync() left in journal
+        files (``staging/fsynced-<inode>-…``) of a daemon that ended without
+        committing them (killed, or the machine went down)."""
+        for path in paths:
+            ino = journal_inode(os.path.basename(path))
+            node = None
+            try:
+                node = ns.get_inode(self.db.ro, ino) if ino is not None else None
+            except FsError:
+                pass
+            if node is None or not stat.S_ISREG(node.mode) or not ns.names_of(self.db.ro, ino):
+                log.info("fsynced bytes of inode %s dropped: the file is gone (%s)", ino, path)
+                os.unlink(path)
+                continue
+            st = self._state(ino)
+            st.opens += 1
+            try:
+                st.staging = Staging.adopt(self.budget, path)
+                size = st.staging.size
+                st.writer_uid, st.writer_gid = node.uid, node.gid
+                async with st.lock:
+                    try:
+                        await self._commit(ino, st)
+                    except (FUSEError, StoreFull, StoreUnavailable) as e:
+                        why = os.strerror(e.errno) if isinstance(e, FUSEError) else str(e)
+                        log.warning("fsynced bytes of %s not committed (%s): %s kept for the next "
+                                    "mount", self.path_of(ino), why, path)
+                        if st.staging is not None:
+                            st.staging.path = None      # (the file stays)
+                        continue
+                log.info("committed the fsynced bytes of %s (%d bytes) left by the previous run",
+                         self.path_of(ino), size)
+            finally:
+                st.opens -= 1
+                await self._drop_state_if_idle(ino)
 
     @handler
     async def release(self, fh):

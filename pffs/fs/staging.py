@@ -1,18 +1,36 @@
 """Bytes of files open for writing, held until the commit at flush/fsync/release.
 
-A staging buffer starts in memory and spills to a sparse temp file in the
-store's ``staging/`` folder once the process-wide memory budget or one block
-is exceeded, so files larger than RAM can be written.  Holes read as zeros.
+A staging buffer starts in memory and spills to a sparse file in the store's
+``staging/`` folder once the process-wide memory budget or one block is
+exceeded, so files larger than RAM can be written.  Holes read as zeros.
+
+An ``fsync()`` makes the staged bytes durable without committing them
+(:meth:`Staging.journal`): they go to the spill file, which is flushed to disk
+and renamed ``fsynced-<inode>-…``.  The mount after a crash commits such files
+(``Operations.replay_journals``); a spill file of any other name was never
+fsynced and is deleted.  The name goes with the staging (:meth:`close`), once
+its bytes are committed and that commit is durable.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import tempfile
+import secrets
 import threading
 
 from ..namespace import BLOCK_SIZE
+
+SPILL_PREFIX = "open-"
+JOURNAL_PREFIX = "fsynced-"
+
+
+def journal_inode(name: str) -> int | None:
+    """The inode a journal file of ``staging/`` holds the fsynced bytes of (else None)."""
+    if not name.startswith(JOURNAL_PREFIX):
+        return None
+    head = name[len(JOURNAL_PREFIX):].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 class MemoryBudget:
@@ -39,6 +57,8 @@ class Staging:
         self.spill_dir = spill_dir
         self.buf: bytearray | None = bytearray(initial)
         self.fd: int | None = None
+        self.path: str | None = None    # the spill file's name while it has one
+        self.journaled = False          # the path is a journal file (fsynced bytes)
         self.size = len(initial)
         budget.add(len(initial))
         self.dirty = False
@@ -48,10 +68,35 @@ class Staging:
         # digest), set when a file of several blocks is staged: a commit reuses
         # them without reading, hashing or storing them again.
         self.clean: dict[int, str] = {}
+        # Write-behind (Operations._write_behind): full blocks stored while the
+        # file is still being written.  Blocks whose job is running; of those,
+        # the ones written to since it began (its result is then dropped); the
+        # rows of the blobs stored so (their blocks are in ``clean``), which the
+        # commit adds to the namespace; the pin file that keeps those blobs from
+        # gc until then (closed with the staging).
+        self.unsynced = 0               # bytes written since the last fsync or commit
+        self.inflight: set[int] = set()
+        self.spoiled: set[int] = set()
+        self.early_rows: dict[str, object] = {}
+        self.pins = None
+
+    @classmethod
+    def adopt(cls, budget: MemoryBudget, path: str) -> "Staging":
+        """A staging over an existing spill file (a journal file, at mount)."""
+        stg = cls(budget, os.path.dirname(path))
+        stg.buf = None
+        stg.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        stg.path = path
+        stg.journaled = os.path.basename(path).startswith(JOURNAL_PREFIX)
+        st = os.fstat(stg.fd)
+        stg.size = st.st_size
+        stg.mtime_ns = st.st_mtime_ns
+        stg.dirty = True
+        return stg
 
     def _spill(self) -> None:
-        fd, path = tempfile.mkstemp(prefix="open-", dir=self.spill_dir)
-        os.unlink(path)
+        path = os.path.join(self.spill_dir, SPILL_PREFIX + secrets.token_hex(8))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         assert self.buf is not None
         view = memoryview(self.buf)[:self.size]
         try:
@@ -63,11 +108,36 @@ class Staging:
             # (A full disk, say: the bytes stay in memory, and the file's room goes back now.)
             view.release()
             os.close(fd)
+            os.unlink(path)
             raise
         view.release()
         self.budget.add(-len(self.buf))
         self.buf = None
         self.fd = fd
+        self.path = path
+
+    def journal(self, ino: int) -> None:
+        """Make the staged bytes durable as they are now (fsync), uncommitted.
+
+        Blocking (a worker thread): the bytes go to the spill file, flushed to
+        disk; the first time, the file is renamed to a journal file of *ino*
+        and the folder flushed too.
+        """
+        if self.buf is not None:
+            self._spill()
+        assert self.fd is not None and self.path is not None
+        os.fdatasync(self.fd)
+        self.unsynced = 0
+        if not self.journaled:
+            path = os.path.join(self.spill_dir, f"{JOURNAL_PREFIX}{ino}-{secrets.token_hex(8)}")
+            os.rename(self.path, path)
+            self.path = path
+            self.journaled = True
+            dfd = os.open(self.spill_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
 
     def _changed(self) -> None:
         self.dirty = True
@@ -75,9 +145,14 @@ class Staging:
 
     def _touch(self, off: int, end: int) -> None:
         """Bytes [off, end) change: their blocks are no longer clean."""
-        if not self.clean or end <= off:
+        if end <= off:
             return
         lo, hi = off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE
+        for bn in self.inflight:
+            if lo <= bn <= hi:
+                self.spoiled.add(bn)
+        if not self.clean:
+            return
         if hi - lo > len(self.clean):
             for bn in [b for b in self.clean if lo <= b <= hi]:
                 del self.clean[bn]
@@ -130,6 +205,7 @@ class Staging:
             while done < n:
                 done += os.pwrite(self.fd, view[done:], off + done)
         self.size = max(self.size, end)
+        self.unsynced += n
         self._changed()
         return n
 
@@ -168,14 +244,47 @@ class Staging:
             return memoryview(self.buf)[off:off + n]
         return self.read(off, n)
 
+    def journal_pays(self) -> bool:
+        """Whether an fsync should journal rather than commit: when what changed
+        since the last fsync is small beside what a commit would hash and store
+        again (a database's pages in a large file).  A sequential writer's fsync
+        commits: its blocks are mostly stored already (write-behind), and a
+        journal would write every byte to disk once more."""
+        uncommitted = self.size - len(self.clean) * BLOCK_SIZE
+        last = (self.size - 1) // BLOCK_SIZE
+        if self.size and last in self.clean:
+            uncommitted += (last + 1) * BLOCK_SIZE - self.size   # (a short last block)
+        uncommitted = max(0, uncommitted)
+        return self.unsynced * 4 < uncommitted
+
     @property
     def in_memory(self) -> bool:
         return self.buf is not None
 
+    def forget_early(self) -> None:
+        """Let go of the blobs write-behind stored (unpinned; their blocks are
+        stored again by the next commit)."""
+        for bn in [bn for bn, d in self.clean.items() if d in self.early_rows]:
+            del self.clean[bn]
+        self.early_rows.clear()
+        if self.pins is not None:
+            self.pins.close()
+            self.pins = None
+
     def close(self) -> None:
+        if self.pins is not None:
+            self.pins.close()
+            self.pins = None
         if self.buf is not None:
             self.budget.add(-len(self.buf))
             self.buf = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+            self.journaled = False
