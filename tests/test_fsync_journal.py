@@ -177,3 +177,54 @@ def test_write_behind_of_a_block_written_again_keeps_the_new_bytes(mnt):
     assert len(data) == (64 << 20) + 4
     for i in range(64):
         assert data[(i << 20) + 5] == (ord("B") if i % 8 == 0 else ord("a"))
+
+
+def blob_files(m) -> int:
+    return sum(len(files) for _, _, files in os.walk(m.store / "blobs"))
+
+
+def test_write_behind_leaves_a_random_writers_blocks_to_the_commit(mnt):
+    """A block whose bytes no single run of sequential writes wrote whole (a
+    random writer's) is not stored before the close: it would be written again."""
+    chunk = b"r" * (1 << 20)
+    before = blob_files(mnt)
+    fd = os.open(mnt / "random", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, chunk, 100 << 20)                 # (past the first block first)
+        for i in range(63, -1, -1):                     # block 0 written backwards
+            os.pwrite(fd, chunk, i << 20)
+        os.pwrite(fd, chunk, 64 << 20)
+        for i in range(66, 100):                        # block 1 from its middle on
+            os.pwrite(fd, chunk, i << 20)
+        os.pwrite(fd, chunk, 65 << 20)
+        os.fsync(fd)                                    # (a write-behind job would have begun by now)
+        staged = blob_files(mnt)
+    finally:
+        os.close(fd)
+    assert staged == before + 2         # the commit at fsync: blocks 0 and 1, never a partial one
+    assert blob_files(mnt) == staged
+
+
+def test_an_edit_of_a_large_file_reads_in_only_the_blocks_it_changes(mount_factory):
+    """A 1-byte write into a file of three blocks (each holding data) decodes one
+    block, not three; reads of the others come from their blobs, as committed."""
+    m = mount_factory()
+    fd = os.open(m / "large", os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 3 * BLOCK)
+    for b in range(3):
+        os.pwrite(fd, b"block %d" % b, b * BLOCK + 100)
+    os.close(fd)
+    m.stop()
+    m.start()                                   # (an empty blob cache)
+    fd = os.open(m / "large", os.O_RDWR)
+    try:
+        os.pwrite(fd, b"X", 2 * BLOCK + 100)
+        assert stats(m)["cache"]["fetched_by_reads"] == 1
+        assert os.pread(fd, 7, BLOCK + 100) == b"block 1"     # (from its blob)
+        assert os.pread(fd, 7, 2 * BLOCK + 100) == b"Xlock 2"
+    finally:
+        os.close(fd)
+    with open(m / "large", "rb") as f:
+        assert [os.pread(f.fileno(), 7, b * BLOCK + 100) for b in range(3)] == \
+            [b"block 0", b"block 1", b"Xlock 2"]
+        assert os.fstat(f.fileno()).st_size == 3 * BLOCK

@@ -53,6 +53,42 @@ class StoredContent:
     manifest_error: mf.ManifestError | None = None
 
 
+class BlockBudget:
+    """Bytes of large blocks that worker threads decode, hash or encode at once.
+
+    Each such job holds a few buffers of its block's size (the bytes, the
+    planes, the frame), so four at once (two commits, two write-behinds, reads)
+    would hold over a gigabyte for 64 MiB blocks.  A job on a block of
+    LARGE_BLOCK bytes or more waits here until the blocks in work leave room
+    for its own (one alone always goes); smaller ones (page files) never wait.
+    """
+
+    LARGE_BLOCK = 8 << 20
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int):
+        if n < self.LARGE_BLOCK:
+            yield
+            return
+        with self._cv:
+            while self.used and self.used + n > self.limit:
+                self._cv.wait()
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.used -= n
+                self._cv.notify_all()
+
+
 class ContentStore:
     def __init__(self, blobs: LocalBlobStore, staging_dir: str | os.PathLike, *,
                  threads: int | None = None, max_size: int | None = None,
@@ -96,6 +132,7 @@ class ContentStore:
         # Blobs in a bucket (pffs.remote): a fork's pages are adopted from it
         # at the manifest's close, even for bytes accepted before.
         self.remote = False
+        self.block_budget = BlockBudget(BLOCK_SIZE)
 
     async def sync_pending(self) -> None:
         """Make every blob written so far durable (grouped fsyncs)."""
@@ -203,9 +240,11 @@ class ContentStore:
                         zeros[n] = self._put(bytes(n), self.zero_digest(n), batch, rows)
                     blocks.append(zeros[n])
                     continue
-            data = stg.view(bn)
-            d = first if bn == 0 and first is not None else digest_of(data)
-            blocks.append(self._put(data, d, batch, rows))
+            with self.block_budget.hold(n):
+                data = stg.view(bn)
+                d = first if bn == 0 and first is not None else digest_of(data)
+                blocks.append(self._put(data, d, batch, rows))
+                del data
         if self.sync_on_close:
             batch.sync()
         if nblocks == 0:
@@ -220,16 +259,23 @@ class ContentStore:
         """Write-behind, in a worker thread: store block *bn* of a staged file now
         (*fd*: the spill file's, duplicated for this call), pinned until the
         file's commit names it.  Returns the blob's row."""
-        data = os.pread(fd, BLOCK_SIZE, bn * BLOCK_SIZE)
-        if len(data) < BLOCK_SIZE:
-            data += bytes(BLOCK_SIZE - len(data))   # (a hole at the end)
-        d = digest_of(data)
-        rows: list[BlobRow] = []
-        with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
+        # (The gc lock first, the budget inside it, as in a commit: a gc waiting
+        # for the commits in its way never waits on a job that waits on it.)
+        with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext(), \
+                self.block_budget.hold(BLOCK_SIZE):
+            data = os.pread(fd, BLOCK_SIZE, bn * BLOCK_SIZE)
+            if len(data) < BLOCK_SIZE:
+                data += bytes(BLOCK_SIZE - len(data))   # (a hole at the end)
+            d = digest_of(data)
+            rows: list[BlobRow] = []
             self._put(data, d, self.pending, rows)
             if stg.pins is not None:
                 stg.pins.add([d])
-        return rows[0]
+            return rows[0]
+
+    def get(self, digest: Digest) -> bytes:
+        """A blob's bytes, decoded and verified (a large one within the block budget)."""
+        return self.blobs.get(digest, hold=self.block_budget.hold)
 
     def _put(self, data, d: str, batch, rows: list[BlobRow]) -> str:
         """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""

@@ -826,7 +826,7 @@ class Operations(pyfuse3.Operations):
         else:
             for d in batch:
                 self.prefetcher.submit(functools.partial(self._prefetched_one, d),
-                                       self.content.blobs.get, d)
+                                       self.content.get, d)
 
     def _prefetch_blobs(self, digests, sizes, budget: int, batch: list[str]) -> int | None:
         """Add to *batch* the blobs neither cached nor on their way (marked as
@@ -844,7 +844,7 @@ class Operations(pyfuse3.Operations):
 
     def _fetch_all(self, digests: list[str]) -> list[tuple[str, outcome.Outcome]]:
         """In a prefetch thread: each blob of a refill, or why it could not be had."""
-        return [(d, outcome.capture(self.content.blobs.get, d)) for d in digests]
+        return [(d, outcome.capture(self.content.get, d)) for d in digests]
 
     def _prefetched_all(self, digests: list[str], fetched: outcome.Outcome) -> None:
         """On the trio thread: the blobs of a refill (see :meth:`_prefetched_one`)."""
@@ -962,7 +962,7 @@ class Operations(pyfuse3.Operations):
         ev = self._loading[digest] = trio.Event()
         self.fetched_by_reads += 1
         try:
-            data = await trio.to_thread.run_sync(self.content.blobs.get, digest,
+            data = await trio.to_thread.run_sync(self.content.get, digest,
                                                  limiter=self.content.limiter)
         except IntegrityError as e:
             log.error("read %s: %s", self.path_of(ino), e)
@@ -981,10 +981,14 @@ class Operations(pyfuse3.Operations):
         st = self.states.get(of.ino)
         if st is not None and st.staging is not None:
             async with st.lock:
-                if st.staging is not None:
-                    if st.staging.in_memory or size <= SMALL_WRITE:
-                        return st.staging.read(off, size)
-                    return await trio.to_thread.run_sync(st.staging.read, off, size)
+                stg = st.staging
+                if stg is not None:
+                    end = min(off + size, stg.size)
+                    if stg.unloaded_in(off, end):
+                        return await self._read_staged(of.ino, stg, off, end)
+                    if stg.in_memory or size <= SMALL_WRITE:
+                        return stg.read(off, size)
+                    return await trio.to_thread.run_sync(stg.read, off, size)
         if st is None or st.blocks is None:
             # Committed size and blocks, kept until the next commit of this inode.
             size_now, blocks = self._committed(of.ino)
@@ -1002,8 +1006,22 @@ class Operations(pyfuse3.Operations):
             out.append(data[max(off, base) - base:min(end, base + len(data)) - base])
         return out[0] if len(out) == 1 else b"".join(out)
 
+    async def _read_staged(self, ino: int, stg: Staging, off: int, end: int) -> bytes:
+        """Bytes [off, end) of a staged file some of whose blocks are not read in
+        yet: those from the blob cache, the others from the spill file."""
+        parts = []
+        for bn in range(off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
+            base = bn * BLOCK_SIZE
+            a, b = max(off, base), min(end, base + BLOCK_SIZE)
+            if bn in stg.unloaded:
+                parts.append((await self._blob(stg.clean[bn], ino))[a - base:b - base])
+            else:
+                parts.append(await trio.to_thread.run_sync(stg.read, a, b - a))
+        return b"".join(parts)
+
     async def _load_staging(self, ino: int, st: InodeState, empty: bool = False) -> Staging:
-        """Stage a file for change, starting from its committed bytes (or none)."""
+        """Stage a file for change, starting from its committed bytes (or none): a
+        file of several blocks reads each in when it is first changed."""
         node = ns.get_inode(self.db.ro, ino)
         blocks = ns.blocks_of(self.db.ro, ino) if node.size and not empty else []
         if len(blocks) == 1:
@@ -1017,13 +1035,11 @@ class Operations(pyfuse3.Operations):
                 await trio.to_thread.run_sync(stg.truncate, node.size)
                 for n in {BLOCK_SIZE, node.size - (len(blocks) - 1) * BLOCK_SIZE}:
                     zero[n] = await trio.to_thread.run_sync(self.content.zero_digest, n)
-            for bn, d in enumerate(blocks):
-                if d == zero[min(BLOCK_SIZE, node.size - bn * BLOCK_SIZE)]:
-                    continue
-                data = await self._blob(d, ino)
-                await trio.to_thread.run_sync(stg.write, bn * BLOCK_SIZE, data)
-                del data
             stg.clean = dict(enumerate(blocks))
+            # (Read in when first changed, see Staging.unloaded.)
+            stg.unloaded = {bn for bn, d in enumerate(blocks)
+                            if d != zero[min(BLOCK_SIZE, node.size - bn * BLOCK_SIZE)]}
+            stg.fetch = self.content.get
         stg.dirty = False
         st.staging = stg
         return stg
@@ -1039,6 +1055,8 @@ class Operations(pyfuse3.Operations):
         st = self.states[of.ino]
         async with st.lock:
             stg = st.staging or await self._load_staging(of.ino, st)
+            end = off + len(buf)
+            await self._read_in(of.ino, stg, min(off, stg.size), end, (off, end))
             was_in_memory = stg.in_memory
             if (stg.in_memory and not stg.spills(off, len(buf))) \
                     or (not stg.in_memory and len(buf) <= SMALL_WRITE):
@@ -1048,11 +1066,13 @@ class Operations(pyfuse3.Operations):
             else:
                 await trio.to_thread.run_sync(stg.write, off, buf)
             stg.mtime_ns = ns.now_ns()
-            end = off + len(buf)
             if end >= BLOCK_SIZE and self.write_behind and not stg.in_memory \
                     and self.nursery is not None:
-                # (Blocks the write ends, and those before it when it moved the file to disk.)
+                # Blocks the write ends (and those before it when it moved the file
+                # to disk) that one run of sequential writes wrote whole: a random
+                # writer's blocks would be written again, and stored for nothing.
                 lo = 0 if was_in_memory else off // BLOCK_SIZE
+                lo = max(lo, -(-stg.run_start // BLOCK_SIZE))
                 for bn in range(lo, min(end, stg.size) // BLOCK_SIZE):
                     if bn not in stg.clean and bn not in stg.inflight:
                         stg.inflight.add(bn)
@@ -1060,6 +1080,19 @@ class Operations(pyfuse3.Operations):
                         st.behind[bn] = trio.Event()
                         self.nursery.start_soon(self._write_behind, of.ino, st, stg, bn)
         return len(buf)
+
+    async def _read_in(self, ino: int, stg: Staging, off: int, end: int,
+                       whole: tuple[int, int] = (0, 0)) -> None:
+        """Before bytes [off, end) of a staged file change: read in the blocks
+        that hold them (Staging.unloaded), through the blob cache, but those the
+        write's range *whole* covers entirely."""
+        for bn in stg.unloaded_in(off, end):
+            base = bn * BLOCK_SIZE
+            if whole[0] <= base and min(base + BLOCK_SIZE, stg.size) <= whole[1]:
+                continue    # (Staging.write drops it: every byte is written)
+            data = await self._blob(stg.clean[bn], ino)
+            if bn in stg.unloaded:
+                await trio.to_thread.run_sync(stg.fill, bn, data)
 
     async def _write_behind(self, ino: int, st: InodeState, stg: Staging, bn: int) -> None:
         """A writer just wrote the last bytes of block *bn*: store it now, in a
@@ -1104,6 +1137,9 @@ class Operations(pyfuse3.Operations):
         try:
             async with st.lock:
                 stg = st.staging or await self._load_staging(ino, st)
+                # (The blocks cut or grown into; none past the new end.)
+                await self._read_in(ino, stg, min(size, stg.size),
+                                    min(max(size, stg.size), -(-size // BLOCK_SIZE) * BLOCK_SIZE))
                 await trio.to_thread.run_sync(stg.truncate, size)
                 stg.mtime_ns = ns.now_ns()
                 if not st.writers:
@@ -1237,7 +1273,8 @@ class Operations(pyfuse3.Operations):
         if st is not None and st.staging is not None and st.staging.dirty and self.journal_fsync:
             async with st.lock:
                 stg = st.staging
-                if stg is not None and stg.dirty and (stg.journaled or stg.journal_pays()) \
+                if stg is not None and stg.dirty and not stg.unloaded \
+                        and (stg.journaled or stg.journal_pays()) \
                         and not self._named_manifest(of.ino, st):
                     # Durable, not committed: the staged bytes go to a journal file
                     # (flushed), at the cost of what changed since the last fsync; the

@@ -68,6 +68,12 @@ class Staging:
         # digest), set when a file of several blocks is staged: a commit reuses
         # them without reading, hashing or storing them again.
         self.clean: dict[int, str] = {}
+        # Of those, the blocks not read in yet: the spill file has a hole there
+        # and their bytes are the blob's (``fetch(digest)``, in a worker thread).
+        # A block is read in (:meth:`fill`) before anything changes it, so an
+        # edit of a large file costs the blocks it touches.
+        self.unloaded: set[int] = set()
+        self.fetch = None
         # Write-behind (Operations._write_behind): full blocks stored while the
         # file is still being written.  Blocks whose job is running; of those,
         # the ones written to since it began (its result is then dropped); the
@@ -75,6 +81,10 @@ class Staging:
         # commit adds to the namespace; the pin file that keeps those blobs from
         # gc until then (closed with the staging).
         self.unsynced = 0               # bytes written since the last fsync or commit
+        # Where the current run of sequential writes began, and where it ends
+        # now (write-behind stores only blocks such a run wrote whole).
+        self.run_start = 0
+        self.run_end = -1
         self.inflight: set[int] = set()
         self.spoiled: set[int] = set()
         self.early_rows: dict[str, object] = {}
@@ -126,6 +136,7 @@ class Staging:
         if self.buf is not None:
             self._spill()
         assert self.fd is not None and self.path is not None
+        self.load(0, self.size)     # (the journal holds every byte: none left in a blob only)
         os.fdatasync(self.fd)
         self.unsynced = 0
         if not self.journaled:
@@ -181,9 +192,22 @@ class Staging:
         grow = max(0, end - len(self.buf))
         return end > BLOCK_SIZE or bool(grow and self.budget.used + grow > self.budget.limit)
 
+    def load(self, off: int, end: int, whole: tuple[int, int] = (0, 0)) -> None:
+        """Read in the blocks holding bytes [off, end) before they change, but
+        those that bytes *whole* (a write's range) cover entirely. (Operations
+        reads them in beforehand, from its cache; this is the rule's backstop.)"""
+        for bn in self.unloaded_in(off, end):
+            base = bn * BLOCK_SIZE
+            if whole[0] <= base and min(base + BLOCK_SIZE, self.size) <= whole[1]:
+                self.unloaded.discard(bn)       # (all its bytes are about to be written)
+            else:
+                self.fill(bn, self.fetch(self.clean[bn]))
+
     def write(self, off: int, data) -> int:
         n = len(data)
         end = off + n
+        if self.unloaded:
+            self.load(min(off, self.size), end, (off, end))
         # (Past the end, the old last block's tail turns from nothing to zeros: touched too.)
         self._touch(min(off, self.size), end)
         if self.buf is not None:
@@ -206,10 +230,16 @@ class Staging:
                 done += os.pwrite(self.fd, view[done:], off + done)
         self.size = max(self.size, end)
         self.unsynced += n
+        if off != self.run_end:
+            self.run_start = off
+        self.run_end = end
         self._changed()
         return n
 
     def truncate(self, size: int) -> None:
+        if self.unloaded:
+            self.unloaded = {bn for bn in self.unloaded if bn * BLOCK_SIZE < size}
+            self.load(min(size, self.size), max(size, self.size))
         self._touch(min(size, self.size), max(size, self.size))
         if self.buf is not None:
             if size > BLOCK_SIZE or size - len(self.buf) + self.budget.used > self.budget.limit:
@@ -226,12 +256,43 @@ class Staging:
         self.size = size
         self._changed()
 
+    def unloaded_in(self, off: int, end: int) -> list[int]:
+        """The blocks not read in yet among those holding bytes [off, end)."""
+        if not self.unloaded or end <= off:
+            return []
+        lo, hi = off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE
+        if hi - lo + 1 > len(self.unloaded):
+            return sorted(bn for bn in self.unloaded if lo <= bn <= hi)
+        return [bn for bn in range(lo, hi + 1) if bn in self.unloaded]
+
+    def fill(self, bn: int, data) -> None:
+        """Read block *bn* in (its committed bytes *data*): a worker thread's
+        work, done before the block changes. Changes nothing the file holds."""
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], bn * BLOCK_SIZE + done)
+        self.unloaded.discard(bn)
+
     def read(self, off: int, size: int) -> bytes:
         end = min(off + size, self.size)
         if off >= end:
             return b""
         if self.buf is not None:
             return bytes(self.buf[off:end])
+        if self.unloaded_in(off, end):
+            parts = []
+            for bn in range(off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
+                base = bn * BLOCK_SIZE
+                a, b = max(off, base), min(end, base + BLOCK_SIZE)
+                if bn in self.unloaded:
+                    parts.append(self.fetch(self.clean[bn])[a - base:b - base])
+                else:
+                    parts.append(self._pread(a, b))
+            return b"".join(parts)
+        return self._pread(off, end)
+
+    def _pread(self, off: int, end: int) -> bytes:
         out = os.pread(self.fd, end - off, off)
         # A sparse file reads back its holes as zeros; pad a short read the same way.
         return out + bytes(end - off - len(out))

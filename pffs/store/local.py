@@ -14,6 +14,7 @@ bytes against the name.  Anything else raises :class:`IntegrityError`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -61,6 +62,22 @@ def _fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def decode_verified(digest: Digest, frame: bytes, max_raw: int, verify: bool = True,
+                    hold=None) -> bytes:
+    """The raw bytes of a blob's *frame*, checked against its name *digest*
+    (CorruptBlob otherwise); decoded inside ``hold(raw_len)`` when given."""
+    try:
+        held = contextlib.nullcontext() if hold is None else hold(codec_mod.read_header(frame).raw_len)
+        with held:
+            # The sha256 check below is stronger than the frame's crc32.
+            raw = codec_mod.decode(frame, max_raw, check_crc=not verify)
+            if verify and digest_of(raw) != digest:
+                raise CorruptBlob(digest, "sha256 of the stored bytes does not match its name")
+            return raw
+    except CodecError as e:
+        raise CorruptBlob(digest, str(e)) from None
 
 
 class LocalBlobStore:
@@ -215,17 +232,12 @@ class LocalBlobStore:
         except FileNotFoundError:
             raise MissingBlob(digest, "not in the store") from None
 
-    def get(self, digest: Digest, *, verify: bool = True) -> bytes:
-        """The raw bytes of *digest*, verified (IntegrityError otherwise)."""
-        frame = self.get_frame(digest)
-        try:
-            # The sha256 check below is stronger than the frame's crc32.
-            raw = codec_mod.decode(frame, self.max_raw, check_crc=not verify)
-        except CodecError as e:
-            raise CorruptBlob(digest, str(e)) from None
-        if verify and digest_of(raw) != digest:
-            raise CorruptBlob(digest, "sha256 of the stored bytes does not match its name")
-        return raw
+    def get(self, digest: Digest, *, verify: bool = True, hold=None) -> bytes:
+        """The raw bytes of *digest*, verified (IntegrityError otherwise).
+
+        *hold*: ``hold(raw_len)``, a context manager the decode runs in (the
+        daemon's budget of block-sized buffers)."""
+        return decode_verified(digest, self.get_frame(digest), self.max_raw, verify, hold)
 
     def header(self, digest: Digest) -> codec_mod.FrameHeader:
         try:

@@ -43,7 +43,7 @@ from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
 from ..namespace import BlobRow
 from ..types import Digest, digest_hex, digest_of, is_digest
-from .local import _TMP_PREFIX, LocalBlobStore, PutResult
+from .local import _TMP_PREFIX, LocalBlobStore, PutResult, decode_verified
 
 SCHEME = "s3://"
 CONFIG_NAME = "remote.json"
@@ -558,25 +558,17 @@ class S3BlobStore:
         frame = self.cache.get(digest)
         return frame if frame is not None else self._download(digest)
 
-    def _decode(self, digest: Digest, frame: bytes, verify: bool) -> bytes:
-        try:
-            raw = codec_mod.decode(frame, self.max_raw, check_crc=not verify)
-        except CodecError as e:
-            raise CorruptBlob(digest, str(e)) from None
-        if verify and digest_of(raw) != digest:
-            raise CorruptBlob(digest, "sha256 of the stored bytes does not match its name")
-        return raw
-
-    def get(self, digest: Digest, *, verify: bool = True) -> bytes:
-        """The raw bytes of *digest*, verified: from the cache, else from the bucket."""
+    def get(self, digest: Digest, *, verify: bool = True, hold=None) -> bytes:
+        """The raw bytes of *digest*, verified: from the cache, else from the bucket
+        (*hold* as for LocalBlobStore.get)."""
         frame = self.cache.get(digest)
         if frame is not None:
             try:
-                return self._decode(digest, frame, verify)
+                return decode_verified(digest, frame, self.max_raw, verify, hold)
             except CorruptBlob:
                 self.cache.discard(digest)  # a damaged cache entry: the bucket has the blob
         frame = self._download(digest)
-        raw = self._decode(digest, frame, verify)
+        raw = decode_verified(digest, frame, self.max_raw, verify, hold)
         self._cache_frame(digest, frame)
         return raw
 
