@@ -224,6 +224,23 @@ def _plane_parts(payload: memoryview, flags: int, raw_len: int) -> tuple:
     return planes[0], planes[1], tail
 
 
+# A block of PROBE_FROM bytes or more is first tried on PROBES samples of PROBE
+# bytes spread over it: when none gains, it is stored raw without compressing
+# it all (the encode of random bytes, on each of them, costs 4x the hash).
+PROBE_FROM = 8 << 20
+PROBE = 256 << 10
+PROBES = 4
+_RAW = Codec(CODEC_RAW)
+
+
+def _gains(head, codec: Codec) -> bool:
+    if codec.id == CODEC_PLANES_ZSTD:
+        _, parts = _encode_planes(head, codec.level)
+    else:
+        parts = [_compressor(codec.level).compress(head)]
+    return sum(memoryview(p).nbytes for p in parts) <= len(head) * (1 - MIN_GAIN)
+
+
 def encode(data, codec: Codec | str = DEFAULT_CODEC) -> bytes:
     """Frame *data* with *codec*; falls back to raw when the gain is < 5 %."""
     if isinstance(codec, str):
@@ -233,6 +250,9 @@ def encode(data, codec: Codec | str = DEFAULT_CODEC) -> bytes:
     if n > MAX_RAW:
         raise CodecError(f"blob of {n} bytes exceeds the {MAX_RAW}-byte frame limit")
     crc = zlib.crc32(raw)
+    if codec.id != CODEC_RAW and n >= PROBE_FROM and not any(
+            _gains(raw[at:at + PROBE], codec) for at in range(0, n - PROBE + 1, n // PROBES)):
+        codec = _RAW     # (a large block of which no sample compresses: random bytes)
     if codec.id != CODEC_RAW and n:
         flags = 0
         if codec.id == CODEC_PLANES_ZSTD:

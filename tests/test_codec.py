@@ -127,3 +127,15 @@ def test_flipped_and_truncated_frames_refused(name, bf16_pages):
     for cut in (3, codec.HEADER_SIZE, len(frame) - 1):
         with pytest.raises(CodecError):
             codec.decode(frame[:cut])
+
+
+def test_a_large_random_block_is_stored_raw_and_a_partly_random_one_compressed():
+    """Blocks of 8 MiB or more are sampled first: random bytes go raw without a
+    whole compression; a block with any compressible sample is compressed."""
+    rnd = np.random.default_rng(7).integers(0, 256, 16 << 20, dtype=np.uint8).tobytes()
+    f = codec.encode(rnd)
+    assert codec.read_header(f).codec.id == codec.CODEC_RAW and codec.decode(f) == rnd
+    mixed = rnd[:1 << 20] + bytes(15 << 20)
+    f = codec.encode(mixed)
+    assert codec.read_header(f).codec.id == codec.CODEC_PLANES_ZSTD and len(f) < 2 << 20
+    assert codec.decode(f) == mixed
