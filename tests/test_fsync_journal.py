@@ -228,3 +228,36 @@ def test_an_edit_of_a_large_file_reads_in_only_the_blocks_it_changes(mount_facto
         assert [os.pread(f.fileno(), 7, b * BLOCK + 100) for b in range(3)] == \
             [b"block 0", b"block 1", b"Xlock 2"]
         assert os.fstat(f.fileno()).st_size == 3 * BLOCK
+
+
+def test_fsynced_bytes_the_store_has_no_room_for_wait_for_a_mount_that_has(mount_factory):
+    """A journal the next mount cannot commit (its store limit) is kept, with one
+    warning, and committed by a later mount with room; the file reads as
+    committed before (no half state) meanwhile."""
+    m = mount_factory()
+    old = os.urandom(1 << 20)
+    (m / "f").write_bytes(old)
+    fd = os.open(m / "f", os.O_RDWR)
+    os.pwrite(fd, old[:1], 0)
+    os.fsync(fd)                                    # (journaled: then every fsync of it is)
+    os.pwrite(fd, os.urandom(3 << 20), 1 << 20)     # (incompressible: 3 MiB more to store)
+    os.pwrite(fd, b"end", 4 << 20)
+    os.fsync(fd)
+    assert journals(m)
+    m.kill9()
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    m.opts = ["max_size=2M"]
+    m.allow("not committed")
+    m.start()
+    wait_for(lambda: "kept for the next mount" in m.log_text(), what="the warning")
+    assert journals(m)
+    assert (m / "f").read_bytes() == old
+    m.stop()
+    m.opts = []
+    m.start()
+    data = (m / "f").read_bytes()
+    assert len(data) == (4 << 20) + 3 and data[:1 << 20] == old and data.endswith(b"end")
+    assert journals(m) == []

@@ -1318,6 +1318,8 @@ class Operations(pyfuse3.Operations):
                                     "mount", self.path_of(ino), why, path)
                         if st.staging is not None:
                             st.staging.path = None      # (the file stays)
+                            st.staging.close()
+                            st.staging = None
                         continue
                 log.info("committed the fsynced bytes of %s (%d bytes) left by the previous run",
                          self.path_of(ino), size)
