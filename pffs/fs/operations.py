@@ -213,7 +213,7 @@ class Operations(pyfuse3.Operations):
         # Full blocks of a file being written are stored while it is written
         # (off where a commit uploads or syncs its blobs: S3, -o sync=close).
         self.write_behind = not content.sync_on_close
-        self.behind_limiter = trio.CapacityLimiter(2)
+        self.behind_limiter = trio.CapacityLimiter(1)   # (the block budget allows one anyway)
         self._next_fh = 1
         self._loading: dict[str, trio.Event] = {}
         self._prefetched: dict[int, int] = {}  # directory inode -> last page index prefetched
@@ -1056,7 +1056,8 @@ class Operations(pyfuse3.Operations):
         async with st.lock:
             stg = st.staging or await self._load_staging(of.ino, st)
             end = off + len(buf)
-            await self._read_in(of.ino, stg, min(off, stg.size), end, (off, end))
+            if stg.unloaded:
+                await self._read_in(of.ino, stg, min(off, stg.size), end, (off, end))
             was_in_memory = stg.in_memory
             if (stg.in_memory and not stg.spills(off, len(buf))) \
                     or (not stg.in_memory and len(buf) <= SMALL_WRITE):
@@ -1086,10 +1087,7 @@ class Operations(pyfuse3.Operations):
         """Before bytes [off, end) of a staged file change: read in the blocks
         that hold them (Staging.unloaded), through the blob cache, but those the
         write's range *whole* covers entirely."""
-        for bn in stg.unloaded_in(off, end):
-            base = bn * BLOCK_SIZE
-            if whole[0] <= base and min(base + BLOCK_SIZE, stg.size) <= whole[1]:
-                continue    # (Staging.write drops it: every byte is written)
+        for bn in stg.to_read_in(off, end, whole):
             data = await self._blob(stg.clean[bn], ino)
             if bn in stg.unloaded:
                 await trio.to_thread.run_sync(stg.fill, bn, data)
@@ -1162,8 +1160,7 @@ class Operations(pyfuse3.Operations):
         stg = st.staging
         if stg is None or not stg.dirty:
             return
-        is_manifest = check_manifest and not st.plain and any(
-            n == MANIFEST for _, n in ns.names_of(self.db.ro, ino))
+        is_manifest = check_manifest and self._named_manifest(ino, st)
         uid, gid = st.writer_uid, st.writer_gid
         was_empty = st.blocks == []     # known committed content: none
 

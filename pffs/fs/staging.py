@@ -192,16 +192,24 @@ class Staging:
         grow = max(0, end - len(self.buf))
         return end > BLOCK_SIZE or bool(grow and self.budget.used + grow > self.budget.limit)
 
-    def load(self, off: int, end: int, whole: tuple[int, int] = (0, 0)) -> None:
-        """Read in the blocks holding bytes [off, end) before they change, but
-        those that bytes *whole* (a write's range) cover entirely. (Operations
-        reads them in beforehand, from its cache; this is the rule's backstop.)"""
+    def to_read_in(self, off: int, end: int, whole: tuple[int, int] = (0, 0)) -> list[int]:
+        """The blocks to read in before bytes [off, end) change: those not read
+        in yet, but those that bytes *whole* (a write's range) cover entirely."""
+        out = []
         for bn in self.unloaded_in(off, end):
             base = bn * BLOCK_SIZE
-            if whole[0] <= base and min(base + BLOCK_SIZE, self.size) <= whole[1]:
-                self.unloaded.discard(bn)       # (all its bytes are about to be written)
-            else:
-                self.fill(bn, self.fetch(self.clean[bn]))
+            if not (whole[0] <= base and min(base + BLOCK_SIZE, self.size) <= whole[1]):
+                out.append(bn)
+        return out
+
+    def load(self, off: int, end: int, whole: tuple[int, int] = (0, 0)) -> None:
+        """Read in the blocks of :meth:`to_read_in` (Operations reads them in
+        beforehand, from its cache; this is the rule's backstop), and drop the
+        others of the range from ``unloaded``: all their bytes are written."""
+        for bn in self.to_read_in(off, end, whole):
+            self.fill(bn, self.fetch(self.clean[bn]))
+        for bn in self.unloaded_in(off, end):
+            self.unloaded.discard(bn)
 
     def write(self, off: int, data) -> int:
         n = len(data)
