@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Codec ratios and one-core speeds on real KV pages, beside plain zstd.
 
-For bf16 and fp16 pages cut from ../shared/data/kv-minilm (16 tokens, SPEC
-§1 layout) and for os.urandom pages of the same size, prints for every pffs
+For bf16 and fp16 pages cut from ../shared/data/kv-minilm (16 tokens, the
+contract's §1 layout) and for os.urandom pages of the same size, prints for every pffs
 codec the ratio and MB/s to compress and decompress a page at a time on one
 core, next to plain zstd level 1 and 19 (python-zstandard, no pffs framing)
 and the zstd command line, all measured in this run; then sha256 MB/s.

@@ -1,4 +1,4 @@
-"""The live-engine agent: attaches an engine to a mounted pffs (SPEC §3 engines/, §5).
+"""The live-engine agent: attaches an engine to a mounted pffs (contract §3 engines/, §5).
 
 Runs in the engine process.  It connects to the daemon's socket
 (``STORE/engine.sock``, reached through ``MNT/.pffs/engine.sock``), registers
@@ -150,7 +150,7 @@ class ReferenceAdapter:
 class _ShmSource:
     """A session handed over by the daemon: page i at i*page_bytes of a memfd, then manifest.json."""
 
-    def __init__(self, mm: mmap.mmap, sizes: list[int], page_bytes: int, manifest_len: int):
+    def __init__(self, mm: mmap.mmap | bytes, sizes: list[int], page_bytes: int, manifest_len: int):
         self.mm = mm
         self.sizes = sizes
         self.pb = page_bytes
@@ -231,7 +231,7 @@ class Agent:
         self._memfd = -1
         self._mm: mmap.mmap | None = None
         self._host: torch.Tensor | None = None
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self._registered_host = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -280,9 +280,10 @@ class Agent:
             self._free_staging()
             raise
         self._chan = chan
-        self._pool_ex = ThreadPoolExecutor(self._workers, thread_name_prefix=f"pffs-agent-{self.name}")
+        self._pool_ex = ex = ThreadPoolExecutor(self._workers, thread_name_prefix=f"pffs-agent-{self.name}")
         self.attached.set()
-        self._reader = threading.Thread(target=self._serve, name=f"pffs-agent-{self.name}", daemon=True)
+        self._reader = threading.Thread(target=self._serve, args=(chan, ex), name=f"pffs-agent-{self.name}",
+                                        daemon=True)
         self._reader.start()
         log.info("attached to %s as %s (%d staging slots of %d bytes)", self.path, self.name,
                  self.slots, self.pool.page_bytes)
@@ -307,8 +308,7 @@ class Agent:
     def __exit__(self, *exc) -> None:
         self.detach()
 
-    def _serve(self) -> None:
-        chan = self._chan
+    def _serve(self, chan: protocol.Channel, ex: ThreadPoolExecutor) -> None:
         try:
             while True:
                 try:
@@ -325,18 +325,18 @@ class Agent:
                     protocol.close_fds(fds)
                     self._release(msg.get("snap"))
                     continue
-                self._pool_ex.submit(self._answer, msg, fds)
+                ex.submit(self._answer, chan, msg, fds)
         finally:
-            self._shutdown()
+            self._shutdown(chan, ex)
 
-    def _shutdown(self) -> None:
-        self._pool_ex.shutdown(wait=True)
+    def _shutdown(self, chan: protocol.Channel, ex: ThreadPoolExecutor) -> None:
+        ex.shutdown(wait=True)
         with self.adapter.lock:
             with self._snap_lock:
                 snaps, self._snaps = list(self._snaps.values()), {}
             for s in snaps:
                 self.adapter.unpin(s.pinned)
-        self._chan.close()
+        chan.close()
         self._free_staging()
         if not self._closing:
             log.warning("the daemon closed the connection; engine %s is detached", self.name)
@@ -345,7 +345,7 @@ class Agent:
             self.on_detach(self)
 
     def _free_staging(self) -> None:
-        if self._registered_host:
+        if self._registered_host and self._host is not None:  # (registered only once _host is set)
             torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
             self._registered_host = False
         self._host = None
@@ -361,11 +361,12 @@ class Agent:
 
     # -- requests ---------------------------------------------------------------
 
-    def _answer(self, msg: dict[str, Any], fds: list[int]) -> None:
+    def _answer(self, chan: protocol.Channel, msg: dict[str, Any], fds: list[int]) -> None:
         rid, op = msg.get("id"), msg.get("op")
         try:
-            fn = {"list": self._list, "snapshot": self._snapshot, "gather": self._gather,
-                  "page_in": self._page_in, "save": self._save, "load": self._load}.get(op)
+            handlers = {"list": self._list, "snapshot": self._snapshot, "gather": self._gather,
+                        "page_in": self._page_in, "save": self._save, "load": self._load}
+            fn = handlers.get(op) if op is not None else None
             if fn is None:
                 raise protocol.Refused(errno.EINVAL, f"unknown request {op!r}")
             reply = {"re": rid, "ok": True, **fn(msg, fds)}
@@ -384,7 +385,7 @@ class Agent:
         finally:
             protocol.close_fds(fds)
         try:
-            self._chan.send(reply)
+            chan.send(reply)
         except OSError:
             pass
 
@@ -458,9 +459,11 @@ class Agent:
                 runs[-1].append((slot, ix))
             else:
                 runs.append([(slot, ix)])
+        host = self._host
+        assert host is not None  # staging lives from attach() until every request has been answered
         if self._stream is None:
             for run in runs:
-                out = self._host[run[0][0]:run[-1][0] + 1]
+                out = host[run[0][0]:run[-1][0] + 1]
                 pool.gather(pool.block_index([snap.blocks[ix] for _, ix in run]), out)
                 for r, (_, ix) in enumerate(run):
                     if snap.used[ix] < P:
@@ -475,7 +478,7 @@ class Agent:
                 for r, (_, ix) in enumerate(run):
                     if snap.used[ix] < P:
                         pool.zero_tail(dev, r, snap.used[ix])
-                self._host[run[0][0]:run[-1][0] + 1].copy_(dev, non_blocking=self._registered_host)
+                host[run[0][0]:run[-1][0] + 1].copy_(dev, non_blocking=self._registered_host)
         self._stream.synchronize()
         return {}
 
@@ -534,7 +537,7 @@ class Agent:
         total = len(sizes) * pb + mlen
         mm = mmap.mmap(fds[0], total, mmap.MAP_SHARED, mmap.PROT_READ) if total else None
         try:
-            source = _ShmSource(mm, sizes, pb, mlen)
+            source = _ShmSource(mm if mm is not None else b"", sizes, pb, mlen)  # (nothing handed over)
             with self.adapter.lock:
                 ids = self.adapter.page_in(source)
                 self._group(name, ids)
@@ -625,7 +628,8 @@ class _Controller:
         if done is not None:
             return done
         if c == "step":
-            toks, logs = {}, {}
+            toks: dict[str, list[int]] = {}
+            logs: dict[str, list[str]] = {}
             for _ in range(int(cmd.get("n", 1))):
                 self._record(self.adapter.step(cmd.get("ids")), toks, logs)
             return {"tokens": toks, "logits": logs}

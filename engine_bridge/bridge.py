@@ -1,4 +1,4 @@
-"""Page out and page in: between an engine's KV pool and a session (SPEC §5).
+"""Page out and page in: between an engine's KV pool and a session (contract §5).
 
 Page out gathers each distinct block of the given sequences into staging,
 zeroes the unused token slots of partly filled last pages, hands the bytes to
@@ -30,16 +30,26 @@ from pffs.manifest import LAYOUTS as PAGE_LAYOUTS
 from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse
 from pffs.types import Digest, digest_of
 
-from .errors import (DamagedPage, DigestMismatch, IncompleteSession, InvalidSession, MismatchError,
-                     ModelMismatch, NoFreeBlocks, PageOutError, SourceChanged, WrongSizePage)
-from .pool import DEFAULT_KV, BlockAllocator, BlockId, KVPool
 from .direct import as_sink, as_source
+from .errors import (
+    DamagedPage,
+    DigestMismatch,
+    IncompleteSession,
+    InvalidSession,
+    MismatchError,
+    ModelMismatch,
+    NoFreeBlocks,
+    PageOutError,
+    SourceChanged,
+    WrongSizePage,
+)
+from .pool import DEFAULT_KV, BlockAllocator, BlockId, KVPool
 from .sessions import SessionSource, SinkLike, SourceLike
 from .staging import DEFAULT_STAGING_BYTES, Staging, batches
 
 #: The page-byte layouts this bridge reads and writes.
 SUPPORTED_LAYOUTS = ("paged-batchinvariant-v1",)
-assert all(l in PAGE_LAYOUTS for l in SUPPORTED_LAYOUTS)
+assert all(name in PAGE_LAYOUTS for name in SUPPORTED_LAYOUTS)
 
 _PLACEHOLDER = Digest("sha256:" + "0" * 64)
 
@@ -205,7 +215,7 @@ class Bridge:
             prev: list[Future] = []
             for k, (j, a, b) in enumerate(jobs):
                 st.wait(j % 2)
-                cur = [ex.submit(sink.write_page, r, memoryview(st.host_row(j % 2, r - a)))
+                cur = [ex.submit(sink.write_page, r, st.host_row(j % 2, r - a).data)
                        for r in range(a, b)]
                 # Batch j+1 goes into the half batch j-1 used: wait until it is written.
                 digests.extend(f.result() for f in prev)
@@ -240,7 +250,7 @@ class Bridge:
                     pool.gather(pool.block_index([blocks[r]]), out)
                     if used[r] < P:
                         pool.zero_tail(out, 0, used[r])
-                return sink.write_page(r, memoryview(st.host_row(0, i)))
+                return sink.write_page(r, st.host_row(0, i).data)
             finally:
                 free.put(i)
         with ThreadPoolExecutor(k, thread_name_prefix="pffs-page-out") as ex:
@@ -322,7 +332,8 @@ class Bridge:
         use).  Raises a :class:`~engine_bridge.errors.PageInError` naming the
         reason; then no block is taken and the pool is untouched.
         """
-        if self.allocator is None:
+        allocator = self.allocator
+        if allocator is None:
             raise ValueError("this bridge has no allocator: it can page out only")
         source = as_source(src)
         manifest = self.read_manifest(source)
@@ -331,11 +342,11 @@ class Bridge:
             accept(manifest)
         needed = sorted({ix for s in manifest.logical_seqs for ix in s.page_ixs})
         self._check_present(source, manifest)
-        free = self.allocator.num_free()
+        free = allocator.num_free()
         if free < len(needed):
             raise NoFreeBlocks(len(needed), free)
         with self._lock:
-            blocks = self._load(source, manifest, needed)
+            blocks = self._load(source, manifest, needed, allocator)
         block_of = dict(zip(needed, blocks))
         P = manifest.page_size_tokens
         seqs = [SeqBlocks(s.id, [block_of[ix] for ix in s.page_ixs], s.n_tokens(P),
@@ -368,7 +379,7 @@ class Bridge:
         try:
             into = getattr(source, "read_page_into", None)
             if into is not None:
-                size = into(ix, memoryview(row))
+                size = into(ix, row.data)
             else:
                 data = source.read_page(ix)
                 size = len(data)
@@ -387,15 +398,16 @@ class Bridge:
             cls, what = (SourceChanged, "changed while being paged in: ") if again else (DigestMismatch, "")
             raise cls(ix, f"{what}its sha256 is {got}, manifest.json lists {manifest.pages[ix]}")
 
-    def _load(self, source: SessionSource, manifest: Manifest, needed: list[int]) -> list[BlockId]:
+    def _load(self, source: SessionSource, manifest: Manifest, needed: list[int],
+              allocator: BlockAllocator) -> list[BlockId]:
         n = len(needed)
         if not n:
             return []
         ex = ThreadPoolExecutor(self.io_workers, thread_name_prefix="pffs-page-in")
         try:
             if n <= self.staging.capacity:
-                return self._load_held(source, manifest, needed, ex)
-            return self._load_streamed(source, manifest, needed, ex)
+                return self._load_held(source, manifest, needed, ex, allocator)
+            return self._load_streamed(source, manifest, needed, ex, allocator)
         finally:
             ex.shutdown(wait=True, cancel_futures=True)
 
@@ -407,14 +419,14 @@ class Bridge:
         for f in futs:
             f.result()
 
-    def _load_held(self, source, manifest, needed, ex) -> list[BlockId]:
+    def _load_held(self, source, manifest, needed, ex, allocator: BlockAllocator) -> list[BlockId]:
         # Small enough to hold: read and verify everything, then allocate and write once.
         st, pool, n = self.staging, self.pool, len(needed)
         per_half = -(-n // 2)
         st.reserve(per_half)
         self._read_all(ex, [(source, manifest, ix, st.host_row(k // per_half, k % per_half), False)
                             for k, ix in enumerate(needed)])
-        blocks = self.allocator.allocate(n)
+        blocks = allocator.allocate(n)
         try:
             if pool.device.type == "cpu":
                 # Each I/O thread scatters some of the pages: every core copies.
@@ -437,11 +449,11 @@ class Bridge:
             st.synchronize()
         except BaseException:
             st.synchronize()
-            self.allocator.free(blocks)
+            allocator.free(blocks)
             raise
         return blocks
 
-    def _stream_cpu(self, source, manifest, needed, ex) -> list[BlockId]:
+    def _stream_cpu(self, source, manifest, needed, ex, allocator: BlockAllocator) -> list[BlockId]:
         # A CPU pool: each I/O thread reads, verifies and scatters pages one at
         # a time through a staging row of its own, so the copies into the pool
         # run on every core beside the decoding and hashing.
@@ -451,7 +463,7 @@ class Bridge:
         free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(k):
             free.put(i)
-        blocks = self.allocator.allocate(n)
+        blocks = allocator.allocate(n)
         failed = threading.Event()
         mode = torch.is_inference_mode_enabled()  # (thread-local: the workers take the caller's)
 
@@ -475,11 +487,11 @@ class Bridge:
                 f.result()
         except BaseException:
             # As below: the blocks go back free; their old, unused contents are not restored.
-            self.allocator.free(blocks)
+            allocator.free(blocks)
             raise
         return blocks
 
-    def _load_streamed(self, source, manifest, needed, ex) -> list[BlockId]:
+    def _load_streamed(self, source, manifest, needed, ex, allocator: BlockAllocator) -> list[BlockId]:
         # Larger than staging: verify every page first (from the source's own
         # digests where it gives them, else by reading it), then allocate and
         # stream read -> verify -> scatter, reading batch j+1 while batch j is
@@ -498,14 +510,14 @@ class Bridge:
                                  st.host_row((r - a) % 2, (r - a) // 2), False) for r in range(a, b)])
 
         if pool.device.type == "cpu":
-            return self._stream_cpu(source, manifest, needed, ex)
+            return self._stream_cpu(source, manifest, needed, ex, allocator)
         jobs = list(batches(n, st.max_batch))
 
         def read(j: int, a: int, b: int) -> list[Future]:
             return [ex.submit(self._read_verified, source, manifest, needed[r],
                               st.host_row(j % 2, r - a), again=True) for r in range(a, b)]
 
-        blocks = self.allocator.allocate(n)
+        blocks = allocator.allocate(n)
         futs: list[Future] = []
         try:
             st.begin()
@@ -529,7 +541,7 @@ class Bridge:
             # the blocks go back free; their old, unused contents are not restored.
             wait(futs)
             st.synchronize()
-            self.allocator.free(blocks)
+            allocator.free(blocks)
             raise
         return blocks
 

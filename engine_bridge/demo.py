@@ -12,7 +12,6 @@ the store.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -180,10 +179,29 @@ def run(mnt: Path, *, dtype: str = "f32", n_decode: int = 40, prompt_repeats: in
     return ok
 
 
-def default_mountpoint() -> Path:
-    env = os.environ.get("PFFS_MOUNT")
-    if env:
-        return Path(env)
-    if os.getuid() == 0:
-        return Path("/mnt/kvcache")
-    return Path.home() / "kvcache"
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine_bridge.demo [--check] [--engine E] MOUNTPOINT``: what
+    ``pffs demo`` runs once the mount is up (``--check``: whether *E* can run here)."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m engine_bridge.demo")
+    ap.add_argument("--engine", default="reference")
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="bf16")
+    ap.add_argument("--tokens", type=int, default=40)
+    ap.add_argument("--check", action="store_true", help="only say whether the engine can run here")
+    ap.add_argument("mountpoint", nargs="?")
+    args = ap.parse_args(argv)
+    try:
+        check_engine(args.engine)
+        if args.check:
+            return 0
+        if args.mountpoint is None:
+            ap.error("a mountpoint is needed")
+        ok = run(Path(args.mountpoint), dtype=args.dtype, n_decode=args.tokens, engine=args.engine)
+    except PffsError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,17 +33,26 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, IntegrityError, MissingBlob
 from pffs.manifest import MANIFEST_NAME, PAGES_DIR, Manifest, ManifestError, page_name, parse
-from pffs.storedir import GcLock
 from pffs.store.local import LocalBlobStore
+from pffs.storedir import GcLock
 from pffs.types import Digest, digest_of
 
 from .errors import DamagedPage, PageOutError
-from .sessions import (DirSink, DirSource, SessionSink, SessionSource, SinkLike, SourceLike,
-                       new_session_place, rename_noreplace)
+from .sessions import (
+    DirSink,
+    DirSource,
+    SessionSink,
+    SessionSource,
+    SinkLike,
+    SourceLike,
+    new_session_place,
+    rename_noreplace,
+)
 
 log = logging.getLogger("engine_bridge.direct")
 
@@ -110,13 +119,17 @@ def pffs_mount_of(path: str | os.PathLike) -> tuple[str, str, str] | None:
     return best, dev, os.path.relpath(p, best)
 
 
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _c_getxattr = _libc.getxattr
-    _c_getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
-    _c_getxattr.restype = ctypes.c_ssize_t
-except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
-    _c_getxattr = None
+def _load_getxattr() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).getxattr
+        fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_ssize_t
+        return fn
+    except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
+        return None
+
+
+_c_getxattr = _load_getxattr()
 
 
 def getxattr(path: str | os.PathLike, name: str) -> bytes:
@@ -271,7 +284,8 @@ class DirectSink:
         self.manifest = bytes(data)
 
     def commit(self) -> None:
-        if self.manifest is None:
+        manifest = self.manifest
+        if manifest is None:
             raise PageOutError("commit before write_manifest")
         # The daemon's commit of manifest.json takes the lock too, behind a
         # waiting gc: from here on the pins alone keep the pages.  It adopts
@@ -280,22 +294,22 @@ class DirectSink:
         self._hold.release()
         fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            view = memoryview(self.manifest)
+            view = memoryview(manifest)
             while view:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
-        self._fill_missing()
+        self._fill_missing(manifest)
         rename_noreplace(self.tmp, self.dest)
         self._done = True
         self.pins.close()
 
-    def _fill_missing(self) -> None:
+    def _fill_missing(self, manifest: bytes) -> None:
         """Pages the daemon did not make appear (it refused a frame): write them through the mount."""
         v = _verdict(self.tmp)
         if v is not None and not v.get("bad"):
             return
-        m = parse(self.manifest)
+        m = parse(manifest)
         bad = range(len(m.pages)) if v is None or v.get("more") else v["bad"]
         pages = self.tmp / PAGES_DIR
         for ix in bad:
@@ -349,7 +363,8 @@ class DirectSource:
         return data
 
     def _digest(self, ix: int) -> Digest | None:
-        return Digest(self._manifest.pages[ix]) if ix in self._good else None
+        m = self._manifest  # set whenever _good is not empty
+        return Digest(m.pages[ix]) if m is not None and ix in self._good else None
 
     def page_size(self, ix: int) -> int:
         d = self._digest(ix)

@@ -1,7 +1,7 @@
 """Why the bridge refuses: one exception class per reason a user can cause.
 
 Every class carries the errno a filesystem should answer with when a page-in
-triggered by a write is refused (SPEC §5: ``ENOSPC`` for no free blocks,
+triggered by a write is refused (contract §5: ``ENOSPC`` for no free blocks,
 ``EINVAL`` for a session the engine cannot take).
 """
 

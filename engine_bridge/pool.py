@@ -4,7 +4,7 @@ An engine keeps one tensor per layer in its own layout (vLLM FlashAttention
 ``[2, num_blocks, block_size, n_kv_heads, head_dim]``, FlashInfer
 ``[num_blocks, 2, block_size, n_kv_heads, head_dim]``, ...).  A
 :class:`KVPool` wraps those tensors without copying them and moves whole
-blocks between them and SPEC §1 page bytes: K then V, each C-ordered
+blocks between them and contract §1 page bytes: K then V, each C-ordered
 ``[n_layers, page_size_tokens, n_heads, head_dim]``.  One engine block is one
 page.  All moves work on byte views of the tensors, so every dtype (fp8
 included) takes the same path and the bytes are exactly the engine's.
@@ -25,7 +25,7 @@ BlockId = NewType("BlockId", int)
 if sys.byteorder != "little":  # pragma: no cover - every torch platform today
     raise ImportError("engine_bridge writes page bytes from memory and needs a little-endian host")
 
-#: SPEC dtype names of the torch dtypes a pool may hold.
+#: Page dtype names (contract §1) of the torch dtypes a pool may hold.
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bf16",
     torch.float16: "f16",
@@ -63,7 +63,7 @@ class KVLayout:
 FLASH_ATTN = KVLayout("flash_attn NHD", (0, 1, 2, 3, 4))
 FLASHINFER = KVLayout("flashinfer NHD", (1, 0, 2, 3, 4))
 FLASHINFER_HND = KVLayout("flashinfer HND", (1, 0, 3, 2, 4))
-LAYOUTS: dict[str, KVLayout] = {l.name: l for l in (FLASH_ATTN, FLASHINFER, FLASHINFER_HND)}
+LAYOUTS: dict[str, KVLayout] = {k.name: k for k in (FLASH_ATTN, FLASHINFER, FLASHINFER_HND)}
 
 
 def layout_of(layout: str | KVLayout) -> KVLayout:
@@ -76,7 +76,7 @@ def layout_of(layout: str | KVLayout) -> KVLayout:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The SPEC dtype name of a torch dtype (ValueError for one pages cannot hold)."""
+    """The dtype name (contract §1) of a torch dtype (ValueError for one pages cannot hold)."""
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:

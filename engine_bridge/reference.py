@@ -242,8 +242,9 @@ class ReferenceEngine:
         for sid in (self.seqs if seq_ids is None else seq_ids):
             s = self.seqs[sid]
             toks = s.tokens[:s.n_cached]
+            known = [t for t in toks if t is not None]
             out.append(SeqBlocks(s.id, list(s.blocks[:-(-s.n_cached // P)]), s.n_cached,
-                                 None if None in toks else list(toks)))
+                                 known if len(known) == len(toks) else None))
         return out
 
     def add_restored(self, restored: PageInResult | Sequence[SeqBlocks]) -> list[str]:

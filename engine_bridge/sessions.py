@@ -16,7 +16,7 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Protocol, Union, runtime_checkable
+from typing import Callable, Protocol, Union, runtime_checkable
 
 from pffs.manifest import MANIFEST_NAME, PAGES_DIR, page_name
 from pffs.types import Digest, digest_of, is_digest
@@ -71,13 +71,19 @@ SourceLike = Union[SessionSource, str, os.PathLike]
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _renameat2 = _libc.renameat2
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    _renameat2.restype = ctypes.c_int
-except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
-    _renameat2 = None
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
+        return None
+
+
+_renameat2 = _load_renameat2()
 
 
 def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
@@ -205,7 +211,7 @@ class MemorySession:
 
     concurrent = True
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pages: dict[int, bytes] = {}
         self.digests: dict[int, Digest] = {}
         self.manifest: bytes | None = None

@@ -91,7 +91,7 @@ class Staging:
 
     def begin(self) -> None:
         """Order the side stream after everything the engine has issued so far."""
-        if self.on_cuda:
+        if self.stream is not None:  # on CUDA
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def to_host(self, half: int, n: int) -> None:
@@ -120,7 +120,7 @@ class Staging:
 
     def synchronize(self) -> None:
         """Finish all device work and let the engine's stream see its results."""
-        if self.on_cuda:
+        if self.stream is not None:  # on CUDA
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self._events = [None, None]

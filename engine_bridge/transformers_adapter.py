@@ -62,10 +62,18 @@ if transformers.__version__ != REQUIRED_VERSION:
         f"pip install 'pffs[transformers]' (or transformers=={REQUIRED_VERSION})")
 
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
-from transformers.generation.continuous_batching import (ContinuousBatchingManager,  # noqa: E402
-                                                         PagedAttentionCache, RequestState,
-                                                         RequestStatus)
-from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION  # noqa: E402
+from transformers.generation.continuous_batching import (  # noqa: E402
+    ContinuousBatchingManager,
+    PagedAttentionCache,
+    RequestState,
+    RequestStatus,
+)
+from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
+    FULL_ATTENTION,
+    FullAttentionCacheAllocator,
+)
+
+from pffs.manifest import Manifest  # noqa: E402
 
 from .bridge import Bridge, PageInResult, SeqBlocks, config_sha256  # noqa: E402
 from .errors import NoFreeBlocks, Refused  # noqa: E402
@@ -73,7 +81,6 @@ from .pool import BlockId, KVLayout, KVPool  # noqa: E402
 from .reference import weights_digest  # noqa: E402
 from .sessions import SinkLike, SourceLike  # noqa: E402
 from .staging import DEFAULT_STAGING_BYTES  # noqa: E402
-from pffs.manifest import Manifest  # noqa: E402
 
 #: One layer's view of the cache: [num_blocks, 2, page_size, n_kv_heads, head_dim].
 TRANSFORMERS_PAGED = KVLayout("transformers paged", (1, 0, 2, 3, 4))
@@ -118,6 +125,8 @@ class TransformersKVPool(KVPool):
 
     def __init__(self, cache: PagedAttentionCache, group: str = FULL_ATTENTION):
         alloc = cache.cache_allocators[group]
+        if not isinstance(alloc, FullAttentionCacheAllocator):  # (sliding attention's is one too)
+            raise ValueError(f"unexpected transformers cache allocator {type(alloc).__name__}")
         if sorted(alloc.layer_indices) != list(range(cache.config.num_hidden_layers)):
             raise ValueError("the transformers cache does not hold every layer in one group")
         P, H, D = alloc.tokens_per_page, alloc.num_key_value_heads, alloc.head_dim
@@ -210,7 +219,7 @@ class TransformersAllocator:
             self._undo = None
             return
         self._undo = None
-        released = [b for b in blocks if self.group.ledger.release(b, no_cache=True)]
+        released: list[int] = [b for b in blocks if self.group.ledger.release(b, no_cache=True)]
         self.pool.free_blocks(self.index, released)
 
 
@@ -409,6 +418,7 @@ class TransformersAdapter:
         if eos_token_id is None:
             eos_token_id = self.manager.generation_config.eos_token_id
         for s in seqs:
+            assert s.token_ids is not None  # _refuse refused every sequence without them
             toks = [int(t) for t in s.token_ids]
             st = RequestState(request_id=s.id, initial_tokens=toks, max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id)
@@ -546,19 +556,22 @@ def llama_model(config=None, *, state_dict=None, dtype: str = "f32", seed: int =
     model.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from .reference import ModelConfig, random_state_dict
     c = config or ModelConfig()
     hf = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.ffn_dim,
                      num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
                      num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
-                     max_position_embeddings=c.max_position, rope_theta=c.rope_theta,
+                     max_position_embeddings=c.max_position,
+                     rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"},
                      rms_norm_eps=c.rms_eps, tie_word_embeddings=False, attention_bias=False,
                      mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = LlamaForCausalLM(hf)
     sd = random_state_dict(c, seed) if state_dict is None else state_dict
     model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()})
-    model = model.to(torch_dtype).eval()
+    # (PreTrainedModel.to is @wraps(Module.to): mypy sees an unbound wrapper wanting the model first.)
+    model = model.to(torch_dtype).eval()  # type: ignore[arg-type]
     # RoPE frequencies stay f32 (a dtype cast of the module casts its buffers too).
     rot = model.model.rotary_emb
     rot.inv_freq = rot.compute_default_rope_parameters(hf)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Callable
 
 from . import __version__
 from .errors import PffsError
@@ -45,6 +46,7 @@ def _store(args):
 
 def cmd_stats(args) -> int:
     import json
+
     from . import namespace
     if args.mountpoint:
         path = os.path.join(args.mountpoint, ".pffs", "stats.json")
@@ -72,9 +74,51 @@ def cmd_stats(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from . import fsck
-    return fsck.run(_store(args), read_data=args.read_data, repair=args.repair,
-                    progress=Progress("checking blobs"))
+    return check_store(_store(args), read_data=args.read_data, repair=args.repair,
+                       progress=Progress("checking blobs"))
+
+
+def check_store(store, *, read_data: bool = False, repair: bool = False,
+        progress: Callable[[int, int], None] | None = None, out=print) -> int:
+    """``pffs check``: lock the unmounted store, check (and repair), print; the exit status."""
+    from . import namespace as ns
+    from .fsck import check
+    from .repair import repair as do_repair
+    # Without its database a store is still one if it has blobs or snapshots: repair rebuilds it.
+    rebuildable = store.snapshot_dir.is_dir() or store.blobs.blob_root.is_dir()
+    if not store.exists() and not (repair and rebuildable):
+        raise PffsError(f"{store.root}: no pffs store here")
+    store.lock("pffs check --repair" if repair else "pffs check")
+    try:
+        if repair:
+            result = do_repair(store, read_data=read_data, progress=progress,
+                               say=lambda line: out(f"repaired: {line}"))
+            if result.report is None:
+                raise PffsError(f"{store.root}: the check after the repair did not run")
+            report = result.report
+            if not result.actions:
+                out("nothing to repair")
+        else:
+            try:
+                conn = ns.open_db(store.root, create_missing=False)
+            except ns.DamagedDatabase as e:
+                out(f"DAMAGE: {e}")
+                return 1
+            try:
+                report = check(conn, store.blobs, read_data=read_data, progress=progress)
+            finally:
+                conn.close()
+    finally:
+        store.unlock()
+    for line in report.notes:
+        out(f"note: {line}")
+    for line in report.damage:
+        out(f"DAMAGE: {line}")
+    c = report.counts
+    verified = " read and verified" if read_data and not repair else ""
+    out(f"{c.get('sessions', 0)} sessions, {c.get('blobs_on_disk', 0)} blobs{verified},"
+        f" {len(report.damage)} damaged{' after repair' if repair else ''}")
+    return 0 if report.clean else 1
 
 
 def cmd_gc(args) -> int:
@@ -82,9 +126,9 @@ def cmd_gc(args) -> int:
     from .store.s3 import is_remote
     if is_remote(args.store):
         from . import remote
-        r = remote.collect_cli(args.store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
-                               progress=Progress("sweeping the bucket"))
-        print(f"gc: {r.summary()}")
+        rb = remote.collect_cli(args.store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
+                                progress=Progress("sweeping the bucket"))
+        print(f"gc: {rb.summary()}")
         return 0
     r = gc.collect(_store(args), grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
                    progress=Progress("sweeping"))
@@ -100,12 +144,12 @@ def cmd_prune(args) -> int:
     from .store.s3 import is_remote
     if is_remote(store):
         from . import remote
-        r = remote.collect_cli(store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
-                               progress=Progress("sweeping the bucket"))
+        summary = remote.collect_cli(store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
+                                     progress=Progress("sweeping the bucket")).summary()
     else:
-        r = gc.collect(StoreDir(store), grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
-                       progress=Progress("sweeping"))
-    print(f"gc: {r.summary()}")
+        summary = gc.collect(StoreDir(store), grace=gc.parse_duration(args.grace),
+                             dry_run=args.dry_run, progress=Progress("sweeping")).summary()
+    print(f"gc: {summary}")
     return 0
 
 
@@ -146,26 +190,41 @@ def cmd_seal(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
+def _default_mountpoint():
     from pathlib import Path
+    env = os.environ.get("PFFS_MOUNT")
+    if env:
+        return Path(env)
+    if os.getuid() == 0:
+        return Path("/mnt/kvcache")
+    return Path.home() / "kvcache"
+
+
+def cmd_demo(args) -> int:
+    """Mount (unless mounted) and run the engine bridge's demo in its own process
+    (``python -m engine_bridge.demo``: pffs itself never imports the bridge)."""
+    import subprocess
+    from pathlib import Path
+
     from . import daemon, tools
-    try:
-        from engine_bridge import demo
-    except ImportError as e:
-        raise PffsError(f"the demo runs an engine and needs torch ({e}); pip install pffs[engine]") from None
-    demo.check_engine(args.engine)
-    mnt = Path(args.mountpoint) if args.mountpoint else demo.default_mountpoint()
+    demo = [sys.executable, "-m", "engine_bridge.demo", "--engine", args.engine]
+    # The engine is checked before anything is mounted: one line if it cannot run here.
+    r = subprocess.run(demo + ["--check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        lines = r.stdout.strip().splitlines() or [f"status {r.returncode}"]
+        raise PffsError(f"demo: {lines[-1]}")
+    mnt = Path(args.mountpoint) if args.mountpoint else _default_mountpoint()
     if tools.pffs_root(mnt) == mnt.absolute():
         print(f"using the pffs mounted on {mnt}")
     else:
         mnt.mkdir(parents=True, exist_ok=True)
         daemon.spawn(args.store, str(mnt), [])
         from .storedir import StoreDir
-        print(f"mounted store {StoreDir(args.store).root} on {mnt}")
-    ok = demo.run(mnt, dtype=args.dtype, n_decode=args.tokens, engine=args.engine)
+        print(f"mounted store {StoreDir(args.store).root} on {mnt}", flush=True)
+    rc = subprocess.run(demo + ["--dtype", args.dtype, "--tokens", str(args.tokens), str(mnt)]).returncode
     print(f"\nthe mount stays up: try ls -l {mnt}/demo/a/pages, cat {mnt}/demo/a/manifest.json;"
           f" pffs umount {mnt} when done")
-    return 0 if ok else 1
+    return 0 if rc == 0 else 1
 
 
 def _mount_args(s) -> None:

@@ -167,12 +167,13 @@ def _encode_planes(raw, level: int) -> tuple[int, list]:
     flags = 0
     parts: list = []
     for plane, bit in ((lo, FLAG_LO_ZSTD), (hi, FLAG_HI_ZSTD)):
-        z = c.compress(plane)
+        z = c.compress(plane.data)
+        payload: np.ndarray | bytes = plane
         if len(z) < len(plane):
             flags |= bit
-            plane = z
-        parts.append(_PLANE_LEN.pack(len(plane)))
-        parts.append(plane)
+            payload = z
+        parts.append(_PLANE_LEN.pack(len(payload)))
+        parts.append(payload)
     parts.append(tail)
     return flags, parts
 
@@ -202,7 +203,7 @@ def _plane_parts(payload: memoryview, flags: int, raw_len: int) -> tuple:
     """(low plane, high plane, tail) of a planes-zstd frame's payload, decompressed."""
     half = raw_len // 2
     pos = 0
-    planes = []
+    planes: list[bytes | memoryview] = []
     for bit in (FLAG_LO_ZSTD, FLAG_HI_ZSTD):
         if pos + 4 > len(payload):
             raise CodecError("planes frame truncated")

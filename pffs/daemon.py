@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -29,6 +30,13 @@ from .errors import PffsError
 from .fs.staging import journal_inode
 from .store.local import LocalBlobStore
 from .storedir import StoreDir
+
+if TYPE_CHECKING:
+    from .fs.db import Database
+    from .fs.operations import Handlers
+    from .lease import RemoteMount
+    from .live.server import LiveEngines
+    from .reserve import SpaceReserve
 
 log = logging.getLogger("pffs.daemon")
 
@@ -154,17 +162,56 @@ class Daemon:
         self.store = store
         self.mountpoint = mountpoint
         self.opts = opts
-        self.ops = None
-        self.db = None
-        self.remote = None  # pffs.remote.RemoteMount of an S3 store
-        self.live = None    # pffs.live.server.LiveEngines: the engine socket and engines/
+        # Made by prepare(): until then None, and their properties refuse.
+        self._ops: Handlers | None = None
+        self._db: Database | None = None
+        self._live: LiveEngines | None = None     # the engine socket (engines/ is ops')
+        self._reserve: SpaceReserve | None = None
+        self.remote: RemoteMount | None = None    # of an S3 store
+        self.journals: list[str] = []
+
+    def _made(self, part):
+        if part is None:
+            raise RuntimeError("the daemon is not prepared")
+        return part
+
+    @property
+    def ops(self) -> Handlers:
+        return self._made(self._ops)
+
+    @ops.setter
+    def ops(self, value: Handlers) -> None:
+        self._ops = value
+
+    @property
+    def db(self) -> Database:
+        return self._made(self._db)
+
+    @db.setter
+    def db(self, value: Database) -> None:
+        self._db = value
+
+    @property
+    def live(self) -> LiveEngines:
+        return self._made(self._live)
+
+    @live.setter
+    def live(self, value: LiveEngines) -> None:
+        self._live = value
+
+    @property
+    def reserve(self) -> SpaceReserve:
+        return self._made(self._reserve)
+
+    @reserve.setter
+    def reserve(self, value: SpaceReserve) -> None:
+        self._reserve = value
 
     def prepare(self) -> None:
         from .fs import direct
         from .fs.content import ContentStore
         from .fs.db import Database
-        from .fs.operations import Operations
-        from .fs.virtual import VirtualTree
+        from .fs.operations import build
         from .reserve import SpaceReserve, free_bytes
 
         st = self.store
@@ -198,26 +245,25 @@ class Daemon:
             st.blobs.reserve = self.reserve
             self.db.on_full = self.reserve.release
         content = ContentStore(st.blobs, st.staging_dir, max_size=self.opts.max_size,
-                               sync_on_close=self.opts.sync == "close" or st.url is not None)
-        content.stored_bytes = stored
-        content.gc_lock = st.gc_lock
-        content.recount = self.recount
-        content.accepted = self.accepted_manifest
-        content.accepted_pages = self.accepted_pages
-        self.ops = Operations(self.db, content, cache_size=self.opts.cache_size,
-                              staging_memory=self.opts.staging_memory)
-        self.ops.journal_fsync = st.url is None
-        self.ops.virtual = VirtualTree(self.ops, str(st.socket_path), str(st.root))
-        self.ops.virtual.store_json = direct.store_json(direct.store_info(st, self.opts))
+                               sync_on_close=self.opts.sync == "close" or st.url is not None,
+                               stored_bytes=stored, gc_lock=st.gc_lock, recount=self.recount,
+                               accepted=self.accepted_manifest, accepted_pages=self.accepted_pages)
         if isinstance(st.blobs, LocalBlobStore):
             # Pages an engine's bridge put beside the mount (pffs.fs.direct).
             content.adopt = direct.LocalAdopter(
                 self.db, st.blobs, pending=None if content.sync_on_close else content.pending,
                 on_stored=self._stored)
+        from .live.engines import Registry
         from .live.server import LiveEngines
-        self.live = LiveEngines(st.socket_path, mountpoint=str(self.mountpoint))
+        from .live.view import LiveView
+        registry = Registry(mountpoint=str(self.mountpoint))
+        self.live = LiveEngines(st.socket_path, registry)
         self.live.listen()
-        self.ops.virtual.attach_live(self.live.view)
+        self.ops = build(self.db, content, cache_size=self.opts.cache_size,
+                         staging_memory=self.opts.staging_memory, journal_fsync=st.url is None,
+                         live=LiveView(registry), socket_path=str(st.socket_path),
+                         store_root=str(st.root),
+                         store_json=direct.store_json(direct.store_info(st, self.opts)))
         if st.url is not None:
             from .remote import attach
             self.remote = attach(self)
@@ -225,7 +271,7 @@ class Daemon:
         fuse_opts |= {f"fsname=pffs:{st.root}", "subtype=pffs", "default_permissions"}
         if self.opts.allow_other:
             fuse_opts.add("allow_other")
-        pyfuse3.init(self.ops, str(self.mountpoint), fuse_opts)
+        pyfuse3.init(self.ops.ops, str(self.mountpoint), fuse_opts)
         log.info("mounted %s on %s (pid %d)", st.root, self.mountpoint, os.getpid())
 
     def _widen_readahead(self) -> None:
@@ -244,8 +290,8 @@ class Daemon:
 
     async def main(self) -> None:
         async with trio.open_nursery() as nursery:
-            self.ops.nursery = nursery
-            nursery.start_soon(self.ops.notifier)
+            self.ops.files.nursery = nursery
+            nursery.start_soon(self.ops.invalidate.run)
             nursery.start_soon(self._signals, nursery)
             nursery.start_soon(self._periodic)
             nursery.start_soon(self._syncer)
@@ -253,11 +299,11 @@ class Daemon:
             nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
             nursery.start_soon(self.live.serve)
             if self.journals:
-                await self.ops.replay_journals(self.journals)
+                await self.ops.files.replay_journals(self.journals)
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
         with trio.CancelScope(shield=True):
-            await self.ops.commit_all()
+            await self.ops.files.commit_all()
             await self.ops.content.sync_pending()
 
     async def _syncer(self) -> None:
@@ -297,19 +343,19 @@ class Daemon:
 
     def recount(self) -> int:
         """Stored bytes of every indexed blob (from a worker thread)."""
-        with self.db.rw_lock:
-            return self.db.rw.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
+        with self.db.writing() as conn:
+            return conn.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
 
     def accepted_manifest(self, digest: str) -> int | None:
         """From a commit thread: the page count of a manifest already accepted
         with these bytes (a fork's source), or None."""
-        with self.db.rw_lock:
-            return namespace.recorded_count(self.db.rw, digest)
+        with self.db.writing() as conn:
+            return namespace.recorded_count(conn, digest)
 
     def accepted_pages(self, digest: str) -> list[str] | None:
         """From a commit thread: the pages of a manifest already accepted with these bytes."""
-        with self.db.rw_lock:
-            return namespace.recorded_pages(self.db.rw, digest)
+        with self.db.writing() as conn:
+            return namespace.recorded_pages(conn, digest)
 
     def snapshot(self) -> None:
         """Copy the namespace database into snapshots/ (a few kept).
@@ -334,16 +380,16 @@ class Daemon:
             pyfuse3.close(unmount=unmount)
         except Exception:
             log.exception("closing the FUSE session")
-        if self.ops is not None:
-            self.ops.content.pending.sync()
+        if self._ops is not None:
+            self._ops.content.pending.sync()
             from .fs.operations import TIMING
             for name, (n, total) in sorted((TIMING or {}).items(), key=lambda kv: -kv[1][1]):
                 log.info("timing %-12s %8d calls %9.3f s %8.1f us/call", name, n, total, total / n * 1e6)
         if self.remote is not None:
             self.remote.stop()
-        if self.live is not None:
-            self.live.close()
-        if self.db is not None:
+        if self._live is not None:
+            self._live.close()
+        if self._db is not None:
             self.snapshot()
             self.db.close()
         self.store.unlock()

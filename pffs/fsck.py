@@ -7,7 +7,7 @@ disagree with its size or digest; a blob a file holds without a row in
 inodes no name reaches from the root; wrong link counts; rows of inodes that
 no longer exist.  Not damage (reported as notes): garbage and unindexed blobs
 (gc's job), unreferenced corrupt blobs, incomplete sessions and sessions whose
-pages disagree with their manifest (the user's business, SPEC §3.5).
+pages disagree with their manifest (the user's business, contract §3.5).
 
 :func:`check` returns the findings in a form :mod:`pffs.repair` acts on.
 """
@@ -23,8 +23,16 @@ from typing import Callable
 
 from . import manifest as mf
 from .errors import IntegrityError
-from .namespace import (BLOCK_SIZE, EMPTY_DIGEST, ROOT_INODE, files_holding, path_of, read_file,
-                        transaction, unfold)
+from .namespace import (
+    BLOCK_SIZE,
+    EMPTY_DIGEST,
+    ROOT_INODE,
+    files_holding,
+    path_of,
+    read_file,
+    transaction,
+    unfold,
+)
 from .store.local import LocalBlobStore
 from .types import Digest
 
@@ -63,7 +71,8 @@ def database_errors(conn: sqlite3.Connection, limit: int = 20) -> list[str]:
     return [] if rows == ["ok"] else rows
 
 
-def _read_blob(blobs: LocalBlobStore, d: str, read_data: bool) -> tuple[str, int | None, str | None]:
+def _read_blob(blobs: LocalBlobStore, d: str, read_data: bool) -> tuple[str, int, str | None]:
+    """(digest, raw length, None), or (digest, 0, why) for a blob that cannot be read."""
     try:
         if read_data:
             size = len(blobs.get(Digest(d)))
@@ -71,9 +80,9 @@ def _read_blob(blobs: LocalBlobStore, d: str, read_data: bool) -> tuple[str, int
             size = blobs.header(Digest(d)).raw_len
         return d, size, None
     except IntegrityError as e:
-        return d, None, e.reason
+        return d, 0, e.reason
     except OSError as e:
-        return d, None, f"unreadable ({e.strerror})"
+        return d, 0, f"unreadable ({e.strerror})"
 
 
 def blob_status(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = False,
@@ -290,8 +299,8 @@ def unreachable_inodes(conn: sqlite3.Connection) -> set[int]:
     children: dict[int, list[int]] = {}
     for parent, ino in conn.execute("SELECT parent, inode FROM dentries"):
         children.setdefault(parent, []).append(ino)
-    seen = {ROOT_INODE}
-    stack = [ROOT_INODE]
+    seen: set[int] = {ROOT_INODE}
+    stack: list[int] = [ROOT_INODE]
     while stack:
         for c in children.get(stack.pop(), ()):
             if c not in seen:
@@ -318,7 +327,7 @@ def check_session(conn: sqlite3.Connection, dir_ino: int, man_ino: int,
     if row is None:
         return [f"session {where}: incomplete (no pages/ folder)"] if m.pages else []
     pages_ino = row[0]
-    have = {}
+    have: dict[int, tuple[str, int]] = {}
     for name, digest, size in conn.execute(
             "SELECT d.name, i.digest, i.size FROM dentries d JOIN inodes i ON i.id = d.inode"
             " WHERE d.parent=? AND (i.mode & 61440) = 32768", (pages_ino,)):
@@ -342,44 +351,3 @@ def check_session(conn: sqlite3.Connection, dir_ino: int, man_ino: int,
     if extra:
         notes.append(f"session {where}: {len(extra)} page files beyond the manifest's {len(m.pages)}")
     return notes
-
-
-def run(store, *, read_data: bool = False, repair: bool = False,
-        progress: Callable[[int, int], None] | None = None, out=print) -> int:
-    """``pffs check``: lock the unmounted store, check (and repair), print; the exit status."""
-    from . import namespace as ns
-    from .errors import PffsError
-    # Without its database a store is still one if it has blobs or snapshots: repair rebuilds it.
-    rebuildable = store.snapshot_dir.is_dir() or store.blobs.blob_root.is_dir()
-    if not store.exists() and not (repair and rebuildable):
-        raise PffsError(f"{store.root}: no pffs store here")
-    store.lock("pffs check --repair" if repair else "pffs check")
-    try:
-        if repair:
-            from .repair import repair as do_repair
-            result = do_repair(store, read_data=read_data, progress=progress,
-                               say=lambda line: out(f"repaired: {line}"))
-            report = result.report
-            if not result.actions:
-                out("nothing to repair")
-        else:
-            try:
-                conn = ns.open_db(store.root, create_missing=False)
-            except ns.DamagedDatabase as e:
-                out(f"DAMAGE: {e}")
-                return 1
-            try:
-                report = check(conn, store.blobs, read_data=read_data, progress=progress)
-            finally:
-                conn.close()
-    finally:
-        store.unlock()
-    for line in report.notes:
-        out(f"note: {line}")
-    for line in report.damage:
-        out(f"DAMAGE: {line}")
-    c = report.counts
-    verified = " read and verified" if read_data and not repair else ""
-    out(f"{c.get('sessions', 0)} sessions, {c.get('blobs_on_disk', 0)} blobs{verified},"
-        f" {len(report.damage)} damaged{' after repair' if repair else ''}")
-    return 0 if report.clean else 1

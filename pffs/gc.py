@@ -1,4 +1,4 @@
-"""``pffs gc``: remove blobs that no file holds and no manifest lists (SPEC §4 gc roots).
+"""``pffs gc``: remove blobs that no file holds and no manifest lists (contract §4 gc roots).
 
 Mark: every blob named by a ``blocks`` row (held by a file, open or not) or
 by a ``manifest_pages`` row (listed by a manifest.json) is live.  Sweep: the
@@ -29,8 +29,8 @@ from typing import Callable
 from . import namespace as ns
 from .errors import PffsError, StoreFull
 from .reserve import SpaceReserve
-from .storedir import StoreBusy, StoreDir
 from .store.local import _TMP_PREFIX, LocalBlobStore
+from .storedir import StoreBusy, StoreDir
 from .types import Digest, is_digest
 
 DEFAULT_GRACE = 600.0
@@ -101,11 +101,12 @@ def _named(conn: sqlite3.Connection, digest: str) -> bool:
                             (digest,)).fetchone() is not None)
 
 
-def _open(store: StoreDir) -> tuple[bool, sqlite3.Connection]:
-    """(mounted, connection); takes the store lock when nobody mounts the store."""
+def _open(store: StoreDir) -> tuple[LocalBlobStore, bool, sqlite3.Connection]:
+    """(blobs, mounted, connection); takes the store lock when nobody mounts the store."""
     if not store.exists():
         raise PffsError(f"{store.root}: no pffs store here")
-    if not isinstance(store.blobs, LocalBlobStore):
+    blobs = store.blobs
+    if not isinstance(blobs, LocalBlobStore):
         raise PffsError(f"{store.root}: gc works on a local store only (this one keeps its blobs elsewhere)")
     try:
         store.lock("pffs gc")
@@ -120,25 +121,25 @@ def _open(store: StoreDir) -> tuple[bool, sqlite3.Connection]:
     except BaseException:
         store.unlock()
         raise
-    return mounted, conn
+    return blobs, mounted, conn
 
 
 def collect(store: StoreDir, *, grace: float = DEFAULT_GRACE, dry_run: bool = False,
             progress: Callable[[int, int], None] | None = None) -> GcResult:
     """Run one gc over *store* (mounted or not) and say what it removed."""
-    mounted, conn = _open(store)
+    blobs, mounted, conn = _open(store)
     try:
-        return _collect(store, conn, mounted, grace, dry_run, progress)
+        return _collect(store, blobs, conn, mounted, grace, dry_run, progress)
     finally:
         conn.close()
         store.unlock()
 
 
-def _collect(store: StoreDir, conn: sqlite3.Connection, mounted: bool, grace: float,
-             dry_run: bool, progress) -> GcResult:
+def _collect(store: StoreDir, blobs: LocalBlobStore, conn: sqlite3.Connection, mounted: bool,
+             grace: float, dry_run: bool, progress) -> GcResult:
     r = GcResult(dry_run=dry_run, mounted=mounted)
     cutoff = time.time() - grace
-    on_disk, temps = _scan(store.blobs.blob_root, cutoff, None)
+    on_disk, temps = _scan(blobs.blob_root, cutoff, None)
     r.blobs_on_disk = len(on_disk)
     # One read transaction: a consistent view of the roots and the index.
     conn.execute("BEGIN")

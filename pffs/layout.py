@@ -1,4 +1,4 @@
-"""The names in a session folder (SPEC §3), for code that needs no more of the manifest model."""
+"""The names in a session folder (contract §3), for code that needs no more of the manifest model."""
 
 MANIFEST_NAME = "manifest.json"
 PAGES_DIR = "pages"

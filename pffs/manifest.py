@@ -1,4 +1,4 @@
-"""The manifest.json model: parse, validate and write (SPEC §2, §3.3).
+"""The manifest.json model: parse, validate and write (contract §2, §3.3).
 
 Every refusal raises :class:`ManifestError` naming the field and the reason,
 so the daemon can log one line and answer EINVAL.  Unknown top-level keys are
@@ -63,7 +63,7 @@ def parse_page_name(name: str | bytes) -> PageIndex | None:
 
 def page_bytes(n_layers: int, page_size_tokens: int, n_heads: int, head_dim: int,
                dtype: str) -> int:
-    """Size of one page file (SPEC §1): K and V for every layer."""
+    """Size of one page file (contract §1): K and V for every layer."""
     return 2 * n_layers * page_size_tokens * n_heads * head_dim * DTYPE_SIZES[dtype]
 
 

@@ -15,12 +15,16 @@ import errno
 import os
 import stat
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
 from . import manifest as mf
 from . import namespace as ns
 from .errors import PffsError
 from .storedir import StoreDir
 from .types import Digest, digest_of
+
+if TYPE_CHECKING:
+    from .store.base import BlobStore
 
 
 def _split(path: str) -> list[bytes]:
@@ -32,7 +36,7 @@ def _split(path: str) -> list[bytes]:
 
 
 def _resolve(conn, parts: list[bytes]) -> int | None:
-    ino = ns.ROOT_INODE
+    ino: int = ns.ROOT_INODE
     for p in parts:
         nxt = ns.lookup(conn, ino, p)
         if nxt is None:
@@ -64,7 +68,8 @@ class StoreSessionSink:
 
     def write_page(self, ix: int, data) -> Digest:
         d = digest_of(data)
-        r = self.store.blobs.put(data, d, batch=self.batch)
+        blobs: BlobStore = self.store.blobs  # either store, with a batch of its own
+        r = blobs.put(data, d, batch=self.batch)
         self.pages[ix] = ns.BlobRow(d, r.raw_size, r.stored_size, r.codec)
         return d
 
@@ -73,9 +78,10 @@ class StoreSessionSink:
         self.manifest_bytes = bytes(data)
 
     def commit(self) -> None:
-        if self.manifest is None:
+        manifest, man = self.manifest, self.manifest_bytes
+        if manifest is None or man is None:  # write_manifest sets both
             raise PffsError("commit before write_manifest")
-        for i, want in enumerate(self.manifest.pages):
+        for i, want in enumerate(manifest.pages):
             have = self.pages.get(i)
             if have is None or have.digest != want:
                 raise PffsError(f"page {mf.page_name(i)} was not written as the manifest lists it")
@@ -90,22 +96,22 @@ class StoreSessionSink:
                 if missing:
                     raise PffsError(f"page blob {missing[0]} was removed by gc before the session"
                                     " was committed; write the session again")
-                man = self.manifest_bytes
-                man_row = ns.BlobRow(digest_of(man), len(man), 0, "")
-                r = self.store.blobs.put(man, man_row.digest)
+                man_digest = digest_of(man)
+                man_row = ns.BlobRow(man_digest, len(man), 0, "")
+                r = self.store.blobs.put(man, man_digest)
                 man_row.stored_size = r.stored_size
                 man_row.codec = r.codec
                 conn = ns.open_db(self.store.root)
                 try:
                     with ns.transaction(conn):
-                        self._commit(conn, man_row)
+                        self._commit(conn, manifest, man_row)
                 finally:
                     conn.close()
         finally:
             self.store.unlock()
 
-    def _commit(self, conn, man_row: ns.BlobRow) -> None:
-        parent = ns.ROOT_INODE
+    def _commit(self, conn, manifest: mf.Manifest, man_row: ns.BlobRow) -> None:
+        parent: int = ns.ROOT_INODE
         for p in self.parts[:-1]:
             nxt = ns.lookup(conn, parent, p)
             if nxt is None:
@@ -124,7 +130,7 @@ class StoreSessionSink:
                            rows if ix == 0 else [], None)
         m = ns.make_inode(conn, sdir, mf.MANIFEST_NAME.encode(), stat.S_IFREG | 0o644, self.uid, self.gid)
         ns.set_content(conn, m.id, man_row.raw_size, man_row.digest, [man_row.digest], rows, None)
-        ns.record_manifest(conn, m.id, self.manifest.pages, man_row.digest)
+        ns.record_manifest(conn, m.id, manifest.pages, man_row.digest)
 
     def abort(self) -> None:
         # Blobs already written stay as garbage for gc; nothing names them.

@@ -1,6 +1,6 @@
 """``pffs prune``: remove old sessions under a folder of a mounted pffs, then gc.
 
-A session is a directory holding a manifest.json (SPEC §3); its age is the
+A session is a directory holding a manifest.json (contract §3); its age is the
 mtime of that manifest.json.  Sessions may sit in plain folders at any depth;
 pffs never looks inside a session for more sessions, and never touches the
 live ``engines/`` view at the mount's root.  After the removals, gc runs on
@@ -60,6 +60,8 @@ def choose(sessions: list[Session], keep_last: int | None, older_than: float | N
     ordered = sorted(sessions, key=lambda s: (s.mtime, str(s.path)))
     if keep_last is not None:
         return ordered[:max(0, len(ordered) - keep_last)]
+    if older_than is None:
+        raise TypeError("choose() needs keep_last or older_than")
     now = time.time() if now is None else now
     return [s for s in ordered if now - s.mtime > older_than]
 

@@ -271,9 +271,10 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
         ns.record_manifest(conn, ino, pages, digest)
         conn.execute("UPDATE manifests SET n_pages=? WHERE digest=?", (len(pages), digest))
         _say(result, say, f"{where}: recorded the page list of its bytes again ({len(pages)} pages)")
-    for d, (files, _gives) in sorted(fsck.folds_short(conn).items()):
-        made = ns.unfold(conn, d)
-        _say(result, say, f"{ns.path_of(conn, d)}: made {made} of the {files} page files of a folded fork"
+    for folder, (files, _gives) in sorted(fsck.folds_short(conn).items()):
+        made = ns.unfold(conn, folder)
+        _say(result, say, f"{ns.path_of(conn, folder)}: made {made} of the {files} page files"
+                          " of a folded fork"
                           + ("" if made == files else " (the page list they came from lacks the rest)"))
     n = conn.execute(f"UPDATE blocks SET via = NULL WHERE {fsck.UNPINNED_FORK_ROW}").rowcount
     if n:
@@ -384,6 +385,7 @@ def _isolate(conn: sqlite3.Connection, store: StoreDir, ino: int, why: str, s: f
         kept_bytes += n
         if n != ns.BLOCK_SIZE:
             break
+    digest: str
     if not keep:
         digest = ns.EMPTY_DIGEST
     elif len(keep) == 1:
@@ -431,7 +433,7 @@ def _recover_after(conn: sqlite3.Connection, store: StoreDir, since: float, resu
     """
     live = set(ns.iter_referenced_blobs(conn))
     cutoff = since - SNAPSHOT_SLACK if since else 0.0
-    found: dict[str, int] = {}
+    found: dict[Digest, int] = {}
     for d in store.blobs:
         if d in live:
             continue
@@ -445,7 +447,7 @@ def _recover_after(conn: sqlite3.Connection, store: StoreDir, since: float, resu
             found[d] = row.raw_size
     if not found:
         return
-    manifests: dict[str, list[str]] = {}
+    manifests: dict[str, list[Digest]] = {}
     for d, raw in sorted(found.items()):
         if raw > mf.MAX_MANIFEST_BYTES:
             continue

@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from . import codec as codec_mod
 from .errors import PffsError
 from .store.local import LocalBlobStore
 
@@ -65,8 +66,9 @@ class StoreDir:
             root = cache if cache is not None else s3.default_cache_dir(self.url)
         self.root = Path(root) if root is not None else default_store_dir()
         self.root = self.root.expanduser().absolute()
-        kwargs = {"codec": codec} if codec else {}
-        self.blobs = s3.open_remote(self.root, self.url, remote, **kwargs) or LocalBlobStore(self.root, **kwargs)
+        codec = codec or codec_mod.DEFAULT_CODEC
+        self.blobs: s3.S3BlobStore | LocalBlobStore = (s3.open_remote(self.root, self.url, remote, codec=codec)
+                                                       or LocalBlobStore(self.root, codec))
         if self.url is None and not isinstance(self.blobs, LocalBlobStore):
             self.url = self.blobs.url
         self._lock_fd: int | None = None

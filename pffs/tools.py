@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .errors import PffsError
 from .layout import MANIFEST_NAME, PAGES_DIR
+from .types import Digest
 
 # Imported where used: ``pffs fork`` runs in about the time Python takes to
 # start, and the manifest model, subprocess and hashlib would add a third.
@@ -97,17 +98,17 @@ def umount(mountpoint: str, timeout: float = 60.0) -> None:
         raise PffsError(f"daemon {pid} still running {timeout:.0f} s after unmount")
 
 
-def file_digest(path: Path) -> str:
+def file_digest(path: Path) -> Digest:
     """A file's digest: pffs's xattr when there is one, else sha256 of its bytes."""
     try:
-        return os.getxattr(path, DIGEST_XATTR).decode()
+        return Digest(os.getxattr(path, DIGEST_XATTR).decode())
     except OSError:
         import hashlib
         h = hashlib.sha256()
         with open(path, "rb") as f:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
-        return "sha256:" + h.hexdigest()
+        return Digest("sha256:" + h.hexdigest())
 
 
 def fork(src: str, dst: str) -> int:
@@ -242,7 +243,7 @@ def seal(session: str) -> tuple[int, int]:
     except mf.ManifestError as e:
         raise PffsError(f"{man}: {e}") from None
     pdir = s / PAGES_DIR
-    found = {}
+    found: dict[int, Path] = {}
     if pdir.is_dir():
         for ent in os.scandir(pdir):
             ix = mf.parse_page_name(ent.name)
@@ -252,7 +253,7 @@ def seal(session: str) -> tuple[int, int]:
     missing = [i for i in range(n) if i not in found]
     if missing:
         raise PffsError(f"{pdir}: page {mf.page_name(missing[0])} is missing (pages must run from 000000)")
-    digests = []
+    digests: list[Digest] = []
     for i in range(n):
         size = found[i].stat().st_size
         if size != m.page_bytes:

@@ -13,7 +13,7 @@ KV_FILE = DATA / "kv-minilm" / "kv.safetensors"
 
 
 def kv_pages(dtype: str = "bf16", page_tokens: int = 16) -> list[bytes]:
-    """Real KV pages cut from the shared MiniLM tensors as SPEC §1 lays them out."""
+    """Real KV pages cut from the shared MiniLM tensors as contract §1 lays them out."""
     import numpy as np
     from pffs_testdata import load_raw
     name = {"bf16": "bf16", "f16": "fp16", "fp16": "fp16"}[dtype]

@@ -1,4 +1,4 @@
-"""The engine bridge: page bytes as SPEC §1 lays them out, bit-exact restores,
+"""The engine bridge: page bytes as contract §1 lays them out, bit-exact restores,
 shared pages, every page-in refusal leaving the engine untouched, atomic
 page-out, and bounded staging."""
 

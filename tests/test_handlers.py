@@ -13,7 +13,7 @@ import trio
 from pffs import namespace as ns
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
-from pffs.fs.operations import Operations
+from pffs.fs.operations import build
 from pffs.storedir import StoreDir
 
 
@@ -24,10 +24,10 @@ def ops(tmp_path):
     ns.open_db(store.root).close()
     db = Database(store.db_path)
     content = ContentStore(store.blobs, store.staging_dir)
-    o = Operations(db, content)
-    yield o
+    h = build(db, content)
+    yield h
     content.workers.stop()
-    o.prefetcher.stop()
+    h.stop()
     db.close()
 
 
@@ -38,16 +38,16 @@ def test_a_forget_past_the_lookup_count_is_said_once(ops, caplog):
         def mk(conn):
             return ns.make_inode(conn, ns.ROOT_INODE, b"f", stat.S_IFREG | 0o644, 0, 0).id
         ino = await ops.db.write(mk)
-        ops._lookup_inc(ino, 2)
-        await ops.forget([(ino, 2)])          # as counted: nothing said
-        await ops.forget([(ino, 3)])          # three more than counted
-        await ops.forget([(ino, 1)])          # (said once only)
+        ops.inodes.looked_up(ino, 2)
+        await ops.ops.forget([(ino, 2)])          # as counted: nothing said
+        await ops.ops.forget([(ino, 3)])          # three more than counted
+        await ops.ops.forget([(ino, 1)])          # (said once only)
         return ino
     with caplog.at_level(logging.WARNING, logger="pffs.fs"):
         ino = trio.run(main)
     said = [r.getMessage() for r in caplog.records if "forget of inode" in r.getMessage()]
     assert said == [f"forget of inode {ino}: the kernel forgot 3 lookups, pffs counted 0"]
-    assert ino not in ops.lookups
+    assert ino not in ops.inodes.lookups
 
 
 def test_bytes_stored_while_the_store_is_recounted_are_not_lost(ops):
@@ -99,24 +99,24 @@ def test_a_write_flushed_while_its_file_is_renamed_onto_manifest_json_is_checked
     out = {}
 
     async def main():
-        info, _ = await ops.create(ns.ROOT_INODE, b"x", 0o100644, os.O_WRONLY, Ctx())
-        await ops.write(info.fh, 0, valid)
-        await ops.flush(info.fh)
+        info, _ = await ops.ops.create(ns.ROOT_INODE, b"x", 0o100644, os.O_WRONLY, Ctx())
+        await ops.ops.write(info.fh, 0, valid)
+        await ops.ops.flush(info.fh)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops.rename, ns.ROOT_INODE, b"x", ns.ROOT_INODE, b"manifest.json", 0, Ctx())
+            nursery.start_soon(ops.ops.rename, ns.ROOT_INODE, b"x", ns.ROOT_INODE, b"manifest.json", 0, Ctx())
             await trio.to_thread.run_sync(renaming.wait)     # validated, its transaction under way
-            await ops.write(info.fh, 0, b"not a manifest" + b" " * len(valid))
+            await ops.ops.write(info.fh, 0, b"not a manifest" + b" " * len(valid))
 
             async def flush():
                 try:
-                    await ops.flush(info.fh)
+                    await ops.ops.flush(info.fh)
                     out["flush"] = 0
                 except pyfuse3.FUSEError as e:
                     out["flush"] = e.errno
             nursery.start_soon(flush)
             await trio.testing.wait_all_tasks_blocked()       # the flush waits on its commit
             go_on.set()
-        await ops.release(info.fh)
+        await ops.ops.release(info.fh)
         ino = ns.lookup(ops.db.ro, ns.ROOT_INODE, b"manifest.json")
         out["bytes"] = ns.read_file(ops.db.ro, ops.content.blobs, ino)
         out["recorded"] = ops.db.ro.execute("SELECT COUNT(*) FROM manifests WHERE inode=?", (ino,)).fetchone()[0]
@@ -177,7 +177,8 @@ def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_pat
     ns.open_db(store.root).close()
     db = Database(store.db_path)
     content = ContentStore(store.blobs, store.staging_dir)
-    o = Operations(db, content, staging_memory=1 << 20)
+    h = build(db, content, staging_memory=1 << 20)
+    o = h.ops
     where = []
     real_spill = staging.Staging._spill
 
@@ -195,7 +196,7 @@ def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_pat
         trio.run(main)
     finally:
         content.workers.stop()
-        o.prefetcher.stop()
+        h.stop()
         db.close()
     assert where == [False]
 
@@ -212,12 +213,12 @@ def test_stats_json_figures_are_computed_again_only_after_a_change(ops, monkeypa
 
     async def main():
         for _ in range(5):
-            await ops.getattr(virtual.STATS, Ctx())
+            await ops.ops.getattr(virtual.STATS, Ctx())
         before = len(calls)
-        await ops.mkdir(ns.ROOT_INODE, b"d", 0o40755, Ctx())
-        a = await ops.getattr(virtual.STATS, Ctx())
-        info = await ops.open(virtual.STATS, os.O_RDONLY, Ctx())
-        data = await ops.read(info.fh, 0, 1 << 16)
+        await ops.ops.mkdir(ns.ROOT_INODE, b"d", 0o40755, Ctx())
+        a = await ops.ops.getattr(virtual.STATS, Ctx())
+        info = await ops.ops.open(virtual.STATS, os.O_RDONLY, Ctx())
+        data = await ops.ops.read(info.fh, 0, 1 << 16)
         return before, len(calls), a.st_size, data
     before, after, size, data = trio.run(main)
     assert before == 1 and after == 2
@@ -242,10 +243,10 @@ def test_statfs_counts_inodes_again_only_after_a_change(ops, monkeypatch):
         ops.db.ro = Counting()
         try:
             for _ in range(4):
-                await ops.statfs(Ctx())
+                await ops.ops.statfs(Ctx())
             first = ops.content._inodes[1]
-            await ops.mkdir(ns.ROOT_INODE, b"d", 0o40755, Ctx())
-            await ops.statfs(Ctx())
+            await ops.ops.mkdir(ns.ROOT_INODE, b"d", 0o40755, Ctx())
+            await ops.ops.statfs(Ctx())
         finally:
             ops.db.ro = real
         return first, ops.content._inodes[1]
@@ -273,11 +274,11 @@ def test_editing_a_file_of_several_blocks_stages_it_a_block_at_a_time(ops, monke
                            [ns.BlobRow(d, BLOCK_SIZE, ops.content.blobs.stored_size(d), "")], None)
             return node.id
         ino = await ops.db.write(mk)
-        info = await ops.open(ino, os.O_WRONLY, Ctx())
-        await ops.write(info.fh, 3 * BLOCK_SIZE - 1, b"!")
-        stg = ops.states[ino].staging
+        info = await ops.ops.open(ino, os.O_WRONLY, Ctx())
+        await ops.ops.write(info.fh, 3 * BLOCK_SIZE - 1, b"!")
+        stg = ops.inodes.states[ino].staging
         out = (stg.size, stg.in_memory, stg.read(3 * BLOCK_SIZE - 2, 2))
-        await ops.release(info.fh)
+        await ops.ops.release(info.fh)
         return out
     size, in_memory, tail = trio.run(main)
     assert size == 3 * BLOCK_SIZE and not in_memory and tail == b"\0!"
@@ -290,7 +291,7 @@ def test_a_small_write_into_a_file_of_several_blocks_commits_that_block_only(ops
     with the change, and its digest (reckoned when asked) is its bytes'."""
     import hashlib
     from pffs.fs import content as content_mod
-    from pffs.fs.operations import DIGEST_XATTR
+    from pffs.fs.tree import DIGEST_XATTR
     from pffs.namespace import BLOCK_SIZE
     blocks = [bytes([65 + i]) * BLOCK_SIZE for i in range(3)]
     ds = [ops.content.blobs.put(b).digest for b in blocks]
@@ -306,11 +307,11 @@ def test_a_small_write_into_a_file_of_several_blocks_commits_that_block_only(ops
                            [ns.BlobRow(d, BLOCK_SIZE, ops.content.blobs.stored_size(d), "") for d in ds], None)
             return node.id
         ino = await ops.db.write(mk)
-        info = await ops.open(ino, os.O_RDWR, Ctx())
-        await ops.write(info.fh, BLOCK_SIZE + 5, b"!")
-        await ops.release(info.fh)
+        info = await ops.ops.open(ino, os.O_RDWR, Ctx())
+        await ops.ops.write(info.fh, BLOCK_SIZE + 5, b"!")
+        await ops.ops.release(info.fh)
         after = ns.blocks_of(ops.db.ro, ino)
-        got = await ops.getxattr(ino, DIGEST_XATTR, Ctx())
+        got = await ops.ops.getxattr(ino, DIGEST_XATTR, Ctx())
         return after, got
     after, got = trio.run(main)
     assert len(hashed) == 1 and after[0] == ds[0] and after[2] == ds[2] and after[1] != ds[1]
@@ -334,9 +335,9 @@ def test_a_write_past_the_end_changes_the_old_last_block_too(ops):
                            [ns.BlobRow(ds[0], BLOCK_SIZE, 1, ""), ns.BlobRow(ds[1], 10, 1, "")], None)
             return node.id
         ino = await ops.db.write(mk)
-        info = await ops.open(ino, os.O_RDWR, Ctx())
-        await ops.write(info.fh, 3 * BLOCK_SIZE + 1, b"!")
-        await ops.release(info.fh)
+        info = await ops.ops.open(ino, os.O_RDWR, Ctx())
+        await ops.ops.write(info.fh, 3 * BLOCK_SIZE + 1, b"!")
+        await ops.ops.release(info.fh)
         return ino
     ino = trio.run(main)
     after = ns.blocks_of(ops.db.ro, ino)
@@ -344,3 +345,112 @@ def test_a_write_past_the_end_changes_the_old_last_block_too(ops):
     sizes = [len(ops.content.blobs.get(d)) for d in after]
     assert sizes == [BLOCK_SIZE, BLOCK_SIZE, BLOCK_SIZE, 2]
     assert ops.content.blobs.get(after[1])[:12] == b"0123456789\0\0"
+
+
+def test_an_unlinked_open_file_stays_until_its_last_handle_and_lookup_go(ops, monkeypatch):
+    """unlink of a file open for reading, then forget of every lookup while a read
+    of it waits for its blob: the inode and its bytes stay until the release, and
+    go then."""
+    import threading
+    import trio.testing
+    data = os.urandom(100_000)
+    fetching, go_on = threading.Event(), threading.Event()
+    real_get = ops.content.get
+
+    def held_get(digest):
+        fetching.set()
+        go_on.wait(30)
+        return real_get(digest)
+
+    def exists(ino):
+        return ops.db.ro.execute("SELECT 1 FROM inodes WHERE id=?", (ino,)).fetchone() is not None
+    out = {}
+
+    async def main():
+        info, attr = await ops.ops.create(ns.ROOT_INODE, b"f", 0o100644, os.O_WRONLY, Ctx())
+        ino = attr.st_ino
+        await ops.ops.write(info.fh, 0, data)
+        await ops.ops.release(info.fh)                     # committed: a blob
+        await ops.ops.lookup(ns.ROOT_INODE, b"f", Ctx())   # (two lookups now)
+        fh = (await ops.ops.open(ino, os.O_RDONLY, Ctx())).fh
+        await ops.ops.unlink(ns.ROOT_INODE, b"f", Ctx())
+        assert exists(ino)
+        monkeypatch.setattr(ops.content, "get", held_get)
+        async with trio.open_nursery() as nursery:
+            async def read():
+                out["read"] = await ops.ops.read(fh, 0, len(data))
+            nursery.start_soon(read)
+            await trio.to_thread.run_sync(fetching.wait)     # the read waits for its blob
+            await ops.ops.forget([(ino, 2)])                 # the kernel lets go of the name
+            out["after forget"] = exists(ino)
+            go_on.set()
+        out["after read"] = exists(ino)
+        await ops.ops.release(fh)
+        out["after release"] = exists(ino)
+    trio.run(main)
+    assert out["read"] == data
+    assert out["after forget"] and out["after read"]
+    assert not out["after release"]
+
+
+def test_a_folder_listed_during_the_fork_that_fills_it_shows_none_then_every_page(ops, monkeypatch):
+    """readdir of b/pages, opened before ``pffs fork a b`` and read while the fork's
+    transaction is under way in the writer, lists no page (none is committed) and
+    does not wait for it; listed again from the start once the fork committed
+    (folded: one row for every page), it lists every page."""
+    import json
+    import threading
+    import pyfuse3
+    from manifests import good
+    from pffs.fs.manifests import FORK_XATTR
+    from pffs.types import digest_of
+
+    pages = [os.urandom(2048) for _ in range(3)]       # the geometry of good(): 2 KiB pages
+    m = good()
+    m["pages"] = [digest_of(p) for p in pages]
+    forking, go_on = threading.Event(), threading.Event()
+    real_fork = ns.fork_pages
+
+    def held_fork(*args, **kw):
+        created = real_fork(*args, **kw)
+        forking.set()            # (in the writer, its transaction not committed)
+        go_on.wait(30)
+        return created
+
+    def reply(token, name, attr, next_id):
+        token.append(name)
+        return True
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+
+    async def listed(fh):
+        names: list[bytes] = []
+        await ops.ops.readdir(fh, 0, names)
+        return sorted(names)
+    out = {}
+
+    async def main():
+        root = ns.ROOT_INODE
+        a = (await ops.ops.mkdir(root, b"a", 0o755, Ctx())).st_ino
+        a_pages = (await ops.ops.mkdir(a, b"pages", 0o755, Ctx())).st_ino
+        for i, p in enumerate(pages):
+            info, _ = await ops.ops.create(a_pages, f"{i:06d}".encode(), 0o644, os.O_WRONLY, Ctx())
+            await ops.ops.write(info.fh, 0, p)
+            await ops.ops.release(info.fh)
+        info, _ = await ops.ops.create(a, b"manifest.json", 0o644, os.O_WRONLY, Ctx())
+        await ops.ops.write(info.fh, 0, json.dumps(m).encode())
+        await ops.ops.release(info.fh)
+        b = (await ops.ops.mkdir(root, b"b", 0o755, Ctx())).st_ino
+        b_pages = (await ops.ops.mkdir(b, b"pages", 0o755, Ctx())).st_ino
+        fh = await ops.ops.opendir(b_pages, Ctx())
+        monkeypatch.setattr(ns, "fork_pages", held_fork)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops.ops.setxattr, b, FORK_XATTR, b"/a/manifest.json", Ctx())
+            await trio.to_thread.run_sync(forking.wait)
+            with trio.fail_after(10):
+                out["during"] = await listed(fh)
+            go_on.set()
+        out["after"] = await listed(fh)
+        await ops.ops.releasedir(fh)
+    trio.run(main)
+    assert out["during"] == []
+    assert out["after"] == [b"000000", b"000001", b"000002"]

@@ -1,5 +1,5 @@
 """Hostile input through the mount: each is refused or served correctly, the daemon stays up,
-nothing else is harmed (SPEC §3.1, §3.3, §3.8)."""
+nothing else is harmed (contract §3.1, §3.3, §3.8)."""
 
 from __future__ import annotations
 

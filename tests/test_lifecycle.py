@@ -1,6 +1,6 @@
 """Store lifecycle on real mounts: gc, prune, check and repair, snapshots, schema versions.
 
-SPEC §3.7–3.8, §4 (gc roots, repair path), §6 (gc, check --repair).
+contract §3.7–3.8, §4 (gc roots, repair path), §6 (gc, check --repair).
 """
 
 from __future__ import annotations

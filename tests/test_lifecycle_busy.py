@@ -1,4 +1,4 @@
-"""gc on a busy mount (SPEC §4): writers, readers and deletions running while gc sweeps lose nothing."""
+"""gc on a busy mount (contract §4): writers, readers and deletions running while gc sweeps lose nothing."""
 
 from __future__ import annotations
 

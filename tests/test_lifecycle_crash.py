@@ -1,4 +1,4 @@
-"""kill -9 of the daemon during a large copy (SPEC §3.7): every file whose close returned survives."""
+"""kill -9 of the daemon during a large copy (contract §3.7): every file whose close returned survives."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Full disks and store limits (SPEC §3.9): ENOSPC to the writer, nothing lost, rm and gc work."""
+"""Full disks and store limits (contract §3.9): ENOSPC to the writer, nothing lost, rm and gc work."""
 
 from __future__ import annotations
 

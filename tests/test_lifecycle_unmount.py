@@ -25,8 +25,11 @@ try:
         with open(os.path.join(mnt, f"w{n % 4}"), "wb") as f:
             for _ in range(8):
                 f.write(chunk)
-        with open(os.path.join(mnt, "closed"), "w") as f:
+        # (Renamed into place: an unmount between its open and its write
+        # would leave "closed" empty, and the index of the last file unknown.)
+        with open(os.path.join(mnt, "closed.new"), "w") as f:
             f.write(str(n))
+        os.rename(os.path.join(mnt, "closed.new"), os.path.join(mnt, "closed"))
         n += 1
         with open(os.path.join(mnt, "half"), "ab") as f:
             f.write(chunk)

@@ -1,4 +1,4 @@
-"""Live engines through a real mount (SPEC §3 engines/, §5): snapshots of running
+"""Live engines through a real mount (contract §3 engines/, §5): snapshots of running
 requests equal the bridge's own page-out, sessions copied into an engine continue
 bit for bit, snapshots stay consistent while the engine decodes, an engine killed
 mid-copy fails the copy with EIO and leaves the daemon serving, and every refusal

@@ -1,4 +1,4 @@
-"""Manifest model: every SPEC §2/§3.3 rule, with a bad example each."""
+"""Manifest model: every contract §2/§3.3 rule, with a bad example each."""
 
 from __future__ import annotations
 

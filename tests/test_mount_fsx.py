@@ -299,7 +299,7 @@ def test_random_operations_match_a_model(mount_factory, seed, opts):
 def test_kill9_after_random_operations_keeps_every_closed_file(mount_factory, seed):
     """kill -9 of the daemon with files still open: after a remount every
     name is there and every file not open for writing holds what the model
-    says, byte for byte (SPEC §3.7); the store checks clean."""
+    says, byte for byte (contract §3.7); the store checks clean."""
     m = mount_factory()
     model = Fsx(m.path, 1000 + seed).run(int(os.environ.get("FSX_OPS", "600")) // 2, crash=m.kill9)
     m.start()

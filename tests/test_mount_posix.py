@@ -1,4 +1,4 @@
-"""A real mount behaves as a POSIX filesystem (SPEC §3.1)."""
+"""A real mount behaves as a POSIX filesystem (contract §3.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sessions on a real mount: manifest validation, forks, seal, durability (SPEC §3.3–3.7)."""
+"""Sessions on a real mount: manifest validation, forks, seal, durability (contract §3.3–3.7)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Random session work on a real mount, checked against a model.
 
-Sessions are written with `cp -r`, forked every way SPEC §3 offers (`cp -r`,
+Sessions are written with `cp -r`, forked every way contract §3 offers (`cp -r`,
 `cp -al`, `pffs fork`, the metadata-only recipe), their pages rewritten and
 removed, missing pages brought back by putting the manifest in place again,
 sealed, removed, and the store collected (`pffs gc --grace 0`) in between.
@@ -130,7 +130,7 @@ class SessionFsx:
                 mf.page_name(i): Box(self.by_digest[d]) for i, d in enumerate(self.manifest_pages(s))})
         if how in ("cp", "al"):
             # cp takes a folder's entries in inode order (gnulib's savedir): when pages/
-            # came first, manifest.json took its name beside it and, as SPEC §3.4 says,
+            # came first, manifest.json took its name beside it and, as contract §3.4 says,
             # brought back the listed pages the source is missing.
             sd = self.root / src
             if os.stat(sd / mf.PAGES_DIR).st_ino < os.stat(sd / mf.MANIFEST_NAME).st_ino:

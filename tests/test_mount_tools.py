@@ -1,4 +1,4 @@
-"""Ordinary tools on a real mount: cp, tar, rsync, sha256sum, du (SPEC §3.1, §3.2)."""
+"""Ordinary tools on a real mount: cp, tar, rsync, sha256sum, du (contract §3.1, §3.2)."""
 
 from __future__ import annotations
 

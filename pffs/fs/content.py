@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pyfuse3
 import trio
@@ -24,7 +24,9 @@ import trio
 from .. import manifest as mf
 from ..errors import StoreFull
 from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
-from ..store.local import LocalBlobStore, PutBatch
+from ..store.base import BlobStore
+from ..store.local import PutBatch
+from ..storedir import GcLock
 from ..types import Digest, digest_of
 from .db import WorkerPool
 from .staging import Staging
@@ -35,10 +37,10 @@ class AcceptedManifest:
     """Bytes identical to a manifest already accepted: its page count, known without
     parsing or reading its page list (see namespace.record_known_manifest)."""
     n_pages: int
-    load: Callable[[], list[str]]
+    load: Callable[[], Sequence[str]]
 
     @property
-    def pages(self) -> list[str]:
+    def pages(self) -> Sequence[str]:
         """The page list (read from the namespace, or parsed if it went meanwhile)."""
         return self.load()
 
@@ -90,9 +92,12 @@ class BlockBudget:
 
 
 class ContentStore:
-    def __init__(self, blobs: LocalBlobStore, staging_dir: str | os.PathLike, *,
+    def __init__(self, blobs: BlobStore, staging_dir: str | os.PathLike, *,
                  threads: int | None = None, max_size: int | None = None,
-                 sync_on_close: bool = False):
+                 sync_on_close: bool = False, stored_bytes: int = 0,
+                 gc_lock: GcLock | None = None, recount: Callable[[], int] | None = None,
+                 accepted: Callable[[str], int | None] | None = None,
+                 accepted_pages: Callable[[str], list[str] | None] | None = None):
         self.blobs = blobs
         self.staging_dir = Path(staging_dir)
         self.limiter = trio.CapacityLimiter(threads or max(2, os.cpu_count() or 2))
@@ -103,7 +108,7 @@ class ContentStore:
         self.max_size = max_size
         # Stored bytes, for max_size: changed by commit threads and the daemon's
         # recount, always under _count_lock (add_stored, recounted).
-        self.stored_bytes = 0
+        self.stored_bytes = stored_bytes
         self._count_lock = threading.Lock()
         self._inodes: tuple[int | None, int] | None = None   # (db data_version, inode count) for statfs
         self._zero_digests: dict[int, str] = {}
@@ -113,22 +118,22 @@ class ContentStore:
         # syncer (or a user's fsync) makes them durable in groups.
         self.sync_on_close = sync_on_close
         self.pending = PutBatch()
-        # Set by the daemon: the store's gc lock, held shared from a blob's
-        # existence check to the commit naming it (see pffs.gc), and a
-        # recount of stored bytes from the namespace (gc frees behind our back).
-        self.gc_lock = None
-        self.recount = None
-        # Set by the daemon: accepted(digest) gives the page count of a
-        # manifest already accepted with these bytes, or None (then they are
-        # parsed); accepted_pages(digest) its pages, or None.
-        self.accepted = None
-        self.accepted_pages = None
-        # Set by the daemon: adopt(pages) gives the page digests a manifest
+        # The store's gc lock, held shared from a blob's existence check to the
+        # commit naming it (see pffs.gc), and a recount of stored bytes from the
+        # namespace (gc frees behind our back).
+        self.gc_lock = gc_lock
+        self.recount = recount
+        # accepted(digest) gives the page count of a manifest already accepted
+        # with these bytes, or None (then they are parsed); accepted_pages(digest)
+        # its pages, or None.
+        self.accepted = accepted
+        self.accepted_pages = accepted_pages
+        # Set by the daemon once the store's adopter exists: adopt(pages) gives the page digests a manifest
         # lists that the namespace does not know yet a blob row each when the
         # store holds them (a local store: blob files an engine's bridge put
         # beside the mount, pffs.fs.direct; an S3 store: the bucket's,
         # pffs.remote), so that forks find them.
-        self.adopt = None
+        self.adopt: Callable[[Sequence[str]], Any] | None = None
         # Blobs in a bucket (pffs.remote): a fork's pages are adopted from it
         # at the manifest's close, even for bytes accepted before.
         self.remote = False
@@ -165,10 +170,12 @@ class ContentStore:
                 self.adopt(m.pages)
             return stored, then(stored)
 
-    def _pages_of(self, stg: Staging, digest: str) -> list[str]:
+    def _pages_of(self, stg: Staging, digest: str) -> Sequence[str]:
         """The pages of staged manifest bytes accepted before: from the namespace, or parsed."""
         pages = self.accepted_pages(digest) if self.accepted_pages is not None else None
-        return pages if pages is not None else mf.parse(stg.read(0, stg.size)).pages
+        if pages is not None:
+            return pages
+        return mf.parse(stg.read(0, stg.size)).pages
 
     def add_stored(self, nbytes: int) -> None:
         """*nbytes* more blob bytes stored (from any thread)."""
@@ -192,15 +199,16 @@ class ContentStore:
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether *nbytes* more stay within max_size (recounted before saying no)."""
-        if self.stored_bytes + nbytes <= self.max_size:
+        limit = self.max_size
+        if limit is None or self.stored_bytes + nbytes <= limit:
             return True
         if self.recount is not None:
             self.recounted(self.recount)
-        return self.stored_bytes + nbytes <= self.max_size
+        return self.stored_bytes + nbytes <= limit
 
     def _store_sync(self, stg: Staging, parse_manifest: bool) -> StoredContent:
         size = stg.size
-        manifest = None
+        manifest: mf.Manifest | AcceptedManifest | None = None
         first = None  # digest of block 0, when computed early
         if parse_manifest:
             try:
@@ -247,6 +255,7 @@ class ContentStore:
                 del data
         if self.sync_on_close:
             batch.sync()
+        digest: str | None
         if nblocks == 0:
             digest = EMPTY_DIGEST
         elif nblocks == 1:
@@ -279,10 +288,10 @@ class ContentStore:
 
     def _put(self, data, d: str, batch, rows: list[BlobRow]) -> str:
         """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""
-        if self.max_size is not None and not self.blobs.contains(d) \
+        if self.max_size is not None and not self.blobs.contains(Digest(d)) \
                 and not self._room_for(len(data)):
             raise StoreFull(f"store limit of {self.max_size} bytes reached")
-        r = self.blobs.put(data, d, batch=batch)
+        r = self.blobs.put(data, Digest(d), batch=batch)
         if not r.existed:
             self.add_stored(r.stored_size)
         rows.append(BlobRow(d, len(data), r.stored_size, r.codec))

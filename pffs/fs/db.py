@@ -1,20 +1,24 @@
 """Database access for the daemon: reads on the trio thread, writes in one worker.
 
-Reads (lookups, getattr, readdir) are short indexed queries on ``ro`` and run
-on the event loop.  Every change is a function of ``pffs.namespace`` run in
-one transaction on ``rw`` in a worker thread; the CapacityLimiter of 1 makes
-that thread the single point where changes are ordered, so a function's
-checks and changes are atomic with respect to every other change.
+Reads (lookups, getattr, readdir) are short indexed queries on ``ro``, which
+only the thread that made the Database (the event loop's) may use: it
+refuses any other.  Every change is a function of ``pffs.namespace`` run in
+one transaction on the write connection, reached only under ``rw_lock``
+(``writing``): by the writer thread (``write``: changes in the order they were
+asked for, each atomic with respect to every other) or by a commit thread
+for the file it has just stored (``run_in_transaction``).  See
+docs/concurrency.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-import sqlite3
 import queue
+import sqlite3
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import outcome
 import trio
@@ -71,24 +75,42 @@ class WorkerPool:
 class Database:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        self.ro = namespace.connect(self.path)
-        self.rw = namespace.connect(self.path)
+        self._loop_thread = threading.get_ident()
+        self._ro = namespace.connect(self.path)
+        self._rw = namespace.connect(self.path)
         # Checkpoints are run by the daemon's periodic task, not by a commit
         # that happens to cross the threshold on the event loop.
-        self.rw.execute("PRAGMA wal_autocheckpoint = 0")
-        self.ro.execute("PRAGMA wal_autocheckpoint = 0")
+        self._rw.execute("PRAGMA wal_autocheckpoint = 0")
+        self._ro.execute("PRAGMA wal_autocheckpoint = 0")
         self.limiter = trio.CapacityLimiter(1)
-        # Held by whichever worker thread uses ``rw``: the writer thread, or a
-        # content thread committing the file it has just stored (saves a hop).
+        # Held by whichever worker thread uses the write connection: the writer
+        # thread, or a commit thread committing the file it has just stored.
         self.rw_lock = threading.Lock()
         # One thread: changes run one at a time, in the order they were asked for.
         self.writer = WorkerPool(1, "pffs-db-writer")
         # Called when a commit finds the disk full; True if it made room.
         self.on_full: Callable[[], bool] | None = None
         # Bumped after every committed change: what was read from ``ro`` at
-        # an earlier generation may be stale (see operations.DirIndex).
+        # an earlier generation may be stale (see pffs.fs.prefetch.PageWindow).
         self.generation = 0
         self._synced = -1       # the generation that sync_wal last made durable
+
+    @property
+    def ro(self) -> sqlite3.Connection:
+        """The read connection, of the event loop's thread only."""
+        if threading.get_ident() != self._loop_thread:
+            raise RuntimeError("the namespace's read connection is the event loop's")
+        return self._ro
+
+    @ro.setter
+    def ro(self, conn: sqlite3.Connection) -> None:
+        self._ro = conn
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[sqlite3.Connection]:
+        """From a worker thread: the write connection, under ``rw_lock``."""
+        with self.rw_lock:
+            yield self._rw
 
     def data_version(self) -> int:
         """Changes whenever any connection, of this process or another (gc), has
@@ -119,8 +141,8 @@ class Database:
 
     def _transaction(self, fn, args):
         try:
-            with namespace.transaction(self.rw):
-                return fn(self.rw, *args)
+            with namespace.transaction(self._rw):
+                return fn(self._rw, *args)
         finally:
             self.generation += 1  # (also after a rollback: harmless)
 
@@ -129,8 +151,8 @@ class Database:
         return self._run(fn, args)
 
     def checkpoint_sync(self, mode: str = "PASSIVE") -> None:
-        with self.rw_lock:
-            self.rw.execute(f"PRAGMA wal_checkpoint({mode})")
+        with self.writing() as conn:
+            conn.execute(f"PRAGMA wal_checkpoint({mode})")
 
     async def checkpoint(self, mode: str = "PASSIVE") -> None:
         await trio.to_thread.run_sync(self.checkpoint_sync, mode, limiter=self.limiter)
@@ -159,8 +181,8 @@ class Database:
     def close(self) -> None:
         self.writer.stop()
         try:
-            self.rw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._rw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error:
             pass
-        self.ro.close()
-        self.rw.close()
+        self._ro.close()
+        self._rw.close()

@@ -22,6 +22,7 @@ import logging
 import os
 import sqlite3
 import stat
+from collections.abc import Sequence
 
 from .. import manifest as mf
 from .. import namespace as ns
@@ -89,12 +90,12 @@ class LocalAdopter:
         self.pending = pending
         self.on_stored = on_stored
 
-    def __call__(self, pages: list[str]) -> int:
+    def __call__(self, pages: Sequence[str]) -> int:
         want = {p for p in pages if is_digest(p)}
         if not want:
             return 0
-        with self.db.rw_lock:
-            known = ns.known_blobs(self.db.rw, want)
+        with self.db.writing() as conn:
+            known = ns.known_blobs(conn, want)
         rows = []
         for d in sorted(want - known.keys()):
             row = self._frame_row(Digest(d))

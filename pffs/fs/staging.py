@@ -7,7 +7,7 @@ exceeded, so files larger than RAM can be written.  Holes read as zeros.
 An ``fsync()`` makes the staged bytes durable without committing them
 (:meth:`Staging.journal`): they go to the spill file, which is flushed to disk
 and renamed ``fsynced-<inode>-…``.  The mount after a crash commits such files
-(``Operations.replay_journals``); a spill file of any other name was never
+(``Files.replay_journals``); a spill file of any other name was never
 fsynced and is deleted.  The name goes with the staging (:meth:`close`), once
 its bytes are committed and that commit is durable.
 """
@@ -18,8 +18,14 @@ import errno
 import os
 import secrets
 import threading
+from typing import TYPE_CHECKING, Callable
 
 from ..namespace import BLOCK_SIZE
+from ..types import Digest
+
+if TYPE_CHECKING:
+    from ..namespace import BlobRow
+    from ..storedir import PinFile
 
 SPILL_PREFIX = "open-"
 JOURNAL_PREFIX = "fsynced-"
@@ -73,8 +79,8 @@ class Staging:
         # A block is read in (:meth:`fill`) before anything changes it, so an
         # edit of a large file costs the blocks it touches.
         self.unloaded: set[int] = set()
-        self.fetch = None
-        # Write-behind (Operations._write_behind): full blocks stored while the
+        self.fetch: Callable[[Digest], bytes] | None = None
+        # Write-behind (Files._write_behind): full blocks stored while the
         # file is still being written.  Blocks whose job is running; of those,
         # the ones written to since it began (its result is then dropped); the
         # rows of the blobs stored so (their blocks are in ``clean``), which the
@@ -87,8 +93,8 @@ class Staging:
         self.run_end = -1
         self.inflight: set[int] = set()
         self.spoiled: set[int] = set()
-        self.early_rows: dict[str, object] = {}
-        self.pins = None
+        self.early_rows: dict[str, BlobRow] = {}
+        self.pins: PinFile | None = None
 
     @classmethod
     def adopt(cls, budget: MemoryBudget, path: str) -> "Staging":
@@ -202,12 +208,24 @@ class Staging:
                 out.append(bn)
         return out
 
+    def _spill_fd(self) -> int:
+        """The spill file (its callers run once the bytes are on disk)."""
+        if self.fd is None:
+            raise ValueError("staged bytes not on disk")
+        return self.fd
+
+    def _fetch(self, digest: str) -> bytes:
+        """A committed block's bytes (set wherever ``unloaded`` is)."""
+        if self.fetch is None:
+            raise ValueError("no blob reader for blocks not read in")
+        return self.fetch(Digest(digest))
+
     def load(self, off: int, end: int, whole: tuple[int, int] = (0, 0)) -> None:
-        """Read in the blocks of :meth:`to_read_in` (Operations reads them in
+        """Read in the blocks of :meth:`to_read_in` (Files reads them in
         beforehand, from its cache; this is the rule's backstop), and drop the
         others of the range from ``unloaded``: all their bytes are written."""
         for bn in self.to_read_in(off, end, whole):
-            self.fill(bn, self.fetch(self.clean[bn]))
+            self.fill(bn, self._fetch(self.clean[bn]))
         for bn in self.unloaded_in(off, end):
             self.unloaded.discard(bn)
 
@@ -235,7 +253,7 @@ class Staging:
             view = memoryview(data)
             done = 0
             while done < n:
-                done += os.pwrite(self.fd, view[done:], off + done)
+                done += os.pwrite(self._spill_fd(), view[done:], off + done)
         self.size = max(self.size, end)
         self.unsynced += n
         if off != self.run_end:
@@ -260,7 +278,7 @@ class Staging:
                 self.budget.add(size - len(self.buf))
                 self.buf.extend(bytes(size - len(self.buf)))
         else:
-            os.ftruncate(self.fd, size)
+            os.ftruncate(self._spill_fd(), size)
         self.size = size
         self._changed()
 
@@ -279,7 +297,7 @@ class Staging:
         view = memoryview(data)
         done = 0
         while done < len(view):
-            done += os.pwrite(self.fd, view[done:], bn * BLOCK_SIZE + done)
+            done += os.pwrite(self._spill_fd(), view[done:], bn * BLOCK_SIZE + done)
         self.unloaded.discard(bn)
 
     def read(self, off: int, size: int) -> bytes:
@@ -294,14 +312,14 @@ class Staging:
                 base = bn * BLOCK_SIZE
                 a, b = max(off, base), min(end, base + BLOCK_SIZE)
                 if bn in self.unloaded:
-                    parts.append(self.fetch(self.clean[bn])[a - base:b - base])
+                    parts.append(self._fetch(self.clean[bn])[a - base:b - base])
                 else:
                     parts.append(self._pread(a, b))
             return b"".join(parts)
         return self._pread(off, end)
 
     def _pread(self, off: int, end: int) -> bytes:
-        out = os.pread(self.fd, end - off, off)
+        out = os.pread(self._spill_fd(), end - off, off)
         # A sparse file reads back its holes as zeros; pad a short read the same way.
         return out + bytes(end - off - len(out))
 

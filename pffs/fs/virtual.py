@@ -1,10 +1,13 @@
 """The hidden ``.pffs/`` folder: files pffs makes up on the fly, never cached.
 
 ``.pffs`` is not listed in the root but can be reached by name.  It holds
-``stats.json`` (SPEC §4 figures, computed at open, and a count of the FUSE
+``stats.json`` (contract §4 figures, computed at open, and a count of the FUSE
 requests served, by operation), ``version``, ``store.json`` (where the store
 is, for engines' bridges on this host: pffs.fs.direct) and ``engine.sock``
 (a symlink to the live-engine socket in the store folder).
+
+``EnginesTree`` serves ``engines/`` (pffs.live.view) in the same handler
+protocol.
 """
 
 from __future__ import annotations
@@ -19,45 +22,34 @@ from pyfuse3 import FUSEError
 
 from .. import __version__
 from .. import namespace as ns
+from .blobcache import BlobReader
+from .db import Database
+from .manifests import LOAD_XATTR, SAVE_XATTR
+from .trees import ROOT, VIRT_BASE, Tree
 
-VIRT_BASE = 1 << 62
 PFFS_DIR = VIRT_BASE + 1
 STATS = VIRT_BASE + 2
 VERSION = VIRT_BASE + 3
 SOCK = VIRT_BASE + 4
 STORE = VIRT_BASE + 5
-FH_BASE = 1 << 62
+FH_BASE = VIRT_BASE      # (pffs.fs.trees.FILE_HANDLES)
 
 _FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK, b"store.json": STORE}
 
 
-class VirtualTree:
-    def __init__(self, ops, socket_path: str = "", store_root: str = ""):
-        self.ops = ops
+class PffsTree(Tree):
+    def __init__(self, db: Database, reader: BlobReader, requests: dict[str, int],
+                 socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n"):
+        self.db = db
+        self.reader = reader
+        self.requests = requests             # FUSE requests served, by handler
         self.store_root = store_root
         self.socket_path = socket_path.encode()
+        self.store_json = store_json         # (pffs.fs.direct.store_info)
         self.handles: dict[int, bytes] = {}
         self._next_fh = FH_BASE
         self._t = ns.now_ns()
-        #: pffs.live.view.LiveView while the daemon serves live engines (``engines/``)
-        self.live = None
-        #: The bytes of store.json (set by the daemon: pffs.fs.direct.store_info)
-        self.store_json = b"{}\n"
         self._stats: tuple[int, dict] | None = None   # (db data_version, namespace figures)
-
-    def attach_live(self, view) -> None:
-        """Serve ``engines/`` through *view*; its open files share this handle table."""
-        self.live = view
-        view.handles = self.handles
-
-    def _live_owns(self, ino: int) -> bool:
-        return self.live is not None and self.live.owns(ino)
-
-    def owns(self, ino: int) -> bool:
-        return ino >= VIRT_BASE
-
-    def reserved(self, parent: int, name: bytes) -> bool:
-        return (parent == ns.ROOT_INODE and name in (b".pffs", b"engines")) or self.owns(parent)
 
     def _attr(self, ino: int, mode: int, size: int, nlink: int = 1) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -79,14 +71,14 @@ class VirtualTree:
         if ino == STATS:
             # The namespace's figures take a pass over its tables: computed again
             # only once something committed (lookup, getattr and open each ask).
-            gen = self.ops.db.data_version()
+            gen = self.db.data_version()
             if self._stats is None or self._stats[0] != gen:
-                self._stats = (gen, ns.stats(self.ops.db.ro).to_json())
+                self._stats = (gen, ns.stats(self.db.ro).to_json())
             figures = dict(self._stats[1])
-            figures["cache"] = {"bytes": self.ops.cache.used, "hits": self.ops.cache.hits,
-                                "misses": self.ops.cache.misses,
-                                "fetched_by_reads": self.ops.fetched_by_reads}
-            figures["requests"] = dict(sorted(self.ops.requests.items()))
+            cache = self.reader.cache
+            figures["cache"] = {"bytes": cache.used, "hits": cache.hits, "misses": cache.misses,
+                                "fetched_by_reads": self.reader.fetched_by_reads}
+            figures["requests"] = dict(sorted(self.requests.items()))
             return (json.dumps(figures, indent=2) + "\n").encode()
         if ino == STORE:
             return self.store_json
@@ -95,7 +87,7 @@ class VirtualTree:
                     f"store {self.store_root}\n").encode()
         raise FUSEError(errno.ENOENT)
 
-    def getattr(self, ino: int) -> pyfuse3.EntryAttributes:
+    def _getattr(self, ino: int) -> pyfuse3.EntryAttributes:
         if ino == PFFS_DIR:
             return self._attr(ino, stat.S_IFDIR | 0o555, 0, 2)
         if ino == SOCK:
@@ -104,113 +96,119 @@ class VirtualTree:
             return self._attr(ino, stat.S_IFREG | 0o444, len(self._content(ino)))
         raise FUSEError(errno.ENOENT)
 
-    async def lookup(self, parent: int, name: bytes, ctx=None):
-        if self.live is not None:
-            v = await self.live.lookup(parent, name, ctx)
-            if v is not None:
-                return v
-        if parent == ns.ROOT_INODE and name == b".pffs":
-            return self.getattr(PFFS_DIR)
+    async def lookup(self, parent, name, ctx):
+        if parent == ROOT and name == b".pffs":
+            return self._getattr(PFFS_DIR)
         if parent == PFFS_DIR:
             ino = _FILES.get(name)
-            if ino is None:
-                raise FUSEError(errno.ENOENT)
-            return self.getattr(ino)
-        return None
+            if ino is not None:
+                return self._getattr(ino)
+        raise FUSEError(errno.ENOENT)
 
-    def readlink(self, ino: int):
-        if ino == SOCK:
+    async def getattr(self, inode, ctx):
+        return self._getattr(inode)
+
+    async def readlink(self, inode, ctx):
+        if inode == SOCK:
             return self.socket_path
-        return None
+        raise FUSEError(errno.EINVAL)
 
-    async def stat(self, ino: int, ctx=None) -> pyfuse3.EntryAttributes:
-        if self._live_owns(ino):
-            return await self.live.getattr(ino, ctx)
-        return self.getattr(ino)
-
-    async def open(self, ino: int, flags: int, ctx=None) -> pyfuse3.FileInfo:
-        if self._live_owns(ino):
-            return await self.live.open(ino, flags, ctx)
-        if ino == PFFS_DIR:
+    async def open(self, inode, flags, ctx):
+        if inode == PFFS_DIR:
             raise FUSEError(errno.EISDIR)
         if (flags & os.O_ACCMODE) != os.O_RDONLY:
             raise FUSEError(errno.EACCES)
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = self._content(ino)
+        self.handles[fh] = self._content(inode)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
-        h = self.handles[fh]
-        if not isinstance(h, bytes):
-            return await self.live.read(h, off, size)
-        return h[off:off + size]
+    async def read(self, fh, off, size):
+        return self.handles[fh][off:off + size]
 
-    def release(self, fh: int) -> None:
-        h = self.handles.pop(fh, None)
-        if h is not None and not isinstance(h, bytes):
-            self.live.release(h)
+    async def release(self, fh):
+        self.handles.pop(fh, None)
 
-    async def readdir(self, fh: int, start_id: int, token) -> None:
-        if self.live is not None and self.live.owns_dir_handle(fh):
-            await self.live.readdir(fh, start_id, token)
-            return
+    async def readdir(self, fh, start_id, token):
         if fh != PFFS_DIR:
             raise FUSEError(errno.ENOTDIR)
         entries = sorted(_FILES.items(), key=lambda kv: kv[1])
         for name, ino in entries:
             if ino <= start_id:
                 continue
-            if not pyfuse3.readdir_reply(token, name, self.getattr(ino), ino):
+            if not pyfuse3.readdir_reply(token, name, self._getattr(ino), ino):
                 break
+        return True
 
-    # -- engines/ (pffs.live.view): routes for what only it can do ---------------
 
-    def _need_live(self, ino: int):
-        if not self._live_owns(ino):
-            raise FUSEError(errno.EPERM)
-        return self.live
+class EnginesTree(Tree):
+    """``engines/``: requests handed to the live view (pffs.live.view.LiveView),
+    and the live forks of ``pffs fork`` (pffs.fs.manifests)."""
 
-    async def opendir(self, ino: int, ctx=None) -> int:
-        if self._live_owns(ino):
-            return await self.live.opendir(ino, ctx)
-        return ino
+    def __init__(self, view, manifests):
+        self.view = view
+        self.manifests = manifests
 
-    def releasedir(self, fh: int) -> None:
-        if self.live is not None:
-            self.live.releasedir(fh)
+    async def lookup(self, parent, name, ctx):
+        v = await self.view.lookup(parent, name, ctx)
+        if v is None:
+            raise FUSEError(errno.ENOENT)
+        return v
 
-    def readdir_root(self, start_id: int, token) -> None:
-        if self.live is not None:
-            self.live.readdir_root(start_id, token)
+    async def getattr(self, inode, ctx):
+        return await self.view.getattr(inode, ctx)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
-        h = self.handles[fh]
-        if isinstance(h, bytes):
-            raise FUSEError(errno.EBADF)
-        return await self.live.write(h, off, buf)
-
-    async def flush(self, fh: int) -> None:
-        h = self.handles.get(fh)
-        if h is not None and not isinstance(h, bytes):
-            await self.live.flush(h)
-
-    async def setattr(self, ino, attr, fields, fh, ctx):
-        return await self._need_live(ino).setattr(ino, attr, fields, fh, ctx)
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        return await self.view.setattr(inode, attr, fields, fh, ctx)
 
     async def mkdir(self, parent, name, mode, ctx):
-        return await self._need_live(parent).mkdir(parent, name, mode, ctx)
+        return await self.view.mkdir(parent, name, mode, ctx)
 
     async def create(self, parent, name, mode, flags, ctx):
-        return await self._need_live(parent).create(parent, name, mode, flags, ctx)
+        return await self.view.create(parent, name, mode, flags, ctx)
 
     async def unlink(self, parent, name, ctx):
-        await self._need_live(parent).unlink(parent, name, ctx)
+        await self.view.unlink(parent, name, ctx)
 
     async def rmdir(self, parent, name, ctx):
-        await self._need_live(parent).rmdir(parent, name, ctx)
+        await self.view.rmdir(parent, name, ctx)
 
     async def rename(self, p_old, n_old, p_new, n_new, flags, ctx):
-        if not (self._live_owns(p_old) or self._live_owns(p_new)):
-            raise FUSEError(errno.EPERM)
-        await self.live.rename(p_old, n_old, p_new, n_new, flags, ctx)
+        await self.view.rename(p_old, n_old, p_new, n_new, flags, ctx)
+
+    async def open(self, inode, flags, ctx):
+        return await self.view.open(inode, flags, ctx)
+
+    async def read(self, fh, off, size):
+        return await self.view.read(self.view.handles[fh], off, size)
+
+    async def write(self, fh, off, buf):
+        return await self.view.write(self.view.handles[fh], off, buf)
+
+    async def flush(self, fh):
+        h = self.view.handles.get(fh)
+        if h is not None:
+            await self.view.flush(h)
+
+    async def release(self, fh):
+        h = self.view.handles.pop(fh, None)
+        if h is not None:
+            self.view.release(h)
+
+    async def opendir(self, inode, ctx):
+        return await self.view.opendir(inode, ctx)
+
+    async def readdir(self, fh, start_id, token):
+        await self.view.readdir(fh, start_id, token)
+        return True
+
+    def readdir_root(self, start_id, token):
+        self.view.readdir_root(start_id, token)
+
+    async def releasedir(self, fh):
+        self.view.releasedir(fh)
+
+    async def setxattr(self, inode, name, value, ctx):
+        if name in (SAVE_XATTR, LOAD_XATTR):
+            return await self.manifests.live_fork(inode, name, value, ctx)
+        raise FUSEError(errno.EPERM)

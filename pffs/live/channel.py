@@ -7,8 +7,18 @@ from typing import Any
 
 import trio
 
-from .protocol import (_CMSG_SPACE, HEADER, MAX_MESSAGE, ProtocolError, close_fds, close_socket,
-                       decode, encode, fds_from_ancillary, rights)
+from .protocol import (
+    _CMSG_SPACE,
+    HEADER,
+    MAX_MESSAGE,
+    ProtocolError,
+    close_fds,
+    close_socket,
+    decode,
+    encode,
+    fds_from_ancillary,
+    rights,
+)
 
 
 class TrioChannel:

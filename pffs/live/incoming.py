@@ -35,8 +35,8 @@ class Node:
     gid: int
     parent: "Node | None" = None
     name: bytes = b""
-    children: dict[bytes, "Node"] | None = None     # folders
-    data: bytearray | None = None                   # files
+    children: dict[bytes, "Node"] = field(default_factory=dict)    # folders (empty for files)
+    data: bytearray = field(default_factory=bytearray)              # files (empty for folders)
     dirty: bool = False      # written since its last close
     arrived: bool = False    # closed at least once, not written since
     linked: bool = True
@@ -45,7 +45,7 @@ class Node:
     atime_ns: int = 0
     ctime_ns: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.atime_ns = self.ctime_ns = self.mtime_ns
 
     @property
@@ -54,7 +54,7 @@ class Node:
 
     @property
     def size(self) -> int:
-        return len(self.data) if self.data is not None else 0
+        return len(self.data)
 
 
 class IncomingSession:
@@ -63,7 +63,7 @@ class IncomingSession:
     def __init__(self, name: str, base_ino: int, mode: int, uid: int, gid: int):
         self.name = name
         self.base = base_ino
-        self.root = Node(base_ino, stat.S_IFDIR | mode, uid, gid, children={})
+        self.root = Node(base_ino, stat.S_IFDIR | mode, uid, gid)
         self.nodes: dict[int, Node] = {base_ino: self.root}
         self._next = base_ino + 3
         self.bytes = 0
@@ -78,10 +78,6 @@ class IncomingSession:
     def make(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         node = Node(self._next, mode, uid, gid, parent, name)
         self._next += 1
-        if node.is_dir:
-            node.children = {}
-        else:
-            node.data = bytearray()
         parent.children[name] = node
         self.nodes[node.ino] = node
         parent.mtime_ns = parent.ctime_ns = now_ns()
@@ -104,8 +100,10 @@ class IncomingSession:
     def move(self, node: Node, new_parent: Node, new_name: bytes) -> None:
         self._forget_page(node)
         was_manifest = self.is_manifest(node)
-        del node.parent.children[node.name]
-        node.parent.mtime_ns = node.parent.ctime_ns = now_ns()
+        old = node.parent
+        assert old is not None      # only the root has none, and it is never moved
+        del old.children[node.name]
+        old.mtime_ns = old.ctime_ns = now_ns()
         node.parent, node.name = new_parent, new_name
         new_parent.children[new_name] = node
         new_parent.mtime_ns = new_parent.ctime_ns = node.ctime_ns = now_ns()
@@ -197,10 +195,12 @@ class IncomingSession:
 
     def page_nodes(self) -> list[Node]:
         """The page files manifest.json lists, in page order (complete sessions only)."""
-        if not self.manifest.pages:
+        m = self.manifest
+        assert m is not None, "page_nodes() of an incomplete session"
+        if not m.pages:
             return []
         pages = self.root.children[PAGES].children
-        return [pages[mf.page_name(ix).encode()] for ix in range(len(self.manifest.pages))]
+        return [pages[mf.page_name(ix).encode()] for ix in range(len(m.pages))]
 
     def drop(self) -> int:
         """Forget every byte (the session went into the engine or was refused)."""
@@ -208,7 +208,7 @@ class IncomingSession:
         self.state = "gone"
         for node in self.nodes.values():
             node.linked = False
-            if node.data is not None:
+            if not node.is_dir:
                 node.data = bytearray()
         self.nodes = {}
         self.root.children = {}
@@ -235,7 +235,7 @@ def memfd_with(pages: list[bytearray], page_bytes: int, manifest: bytes) -> int:
     return fd
 
 
-def _pwrite_all(fd: int, data, off: int) -> None:
+def _pwrite_all(fd: int, data: bytes | bytearray, off: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, off)

@@ -42,7 +42,7 @@ import os
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 HEADER = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20      # a manifest with token ids stays far below this
@@ -65,7 +65,7 @@ class Refused(Exception):
         self.errno = err
 
 
-def valid_name(name: object) -> bool:
+def valid_name(name: object) -> TypeGuard[str]:
     """Whether *name* can be an engine's or a session's folder name."""
     if not isinstance(name, str) or not name or name in (".", ".."):
         return False
@@ -105,7 +105,20 @@ def rights(fds) -> list:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", list(fds)))] if fds else []
 
 
-def close_socket(sock: socket.socket) -> None:
+class _Closable(Protocol):
+    """A socket, the standard library's or trio's: what close_socket() needs of it."""
+
+    def shutdown(self, how: int, /) -> None: ...
+    def close(self) -> None: ...
+
+
+class _HasSockopt(Protocol):
+    """A socket, the standard library's or trio's: what peer_credentials() needs of it."""
+
+    def getsockopt(self, level: int, optname: int, buflen: int, /) -> bytes: ...
+
+
+def close_socket(sock: _Closable) -> None:
     """Shut down both directions (waking a reader blocked on it), then close."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -122,7 +135,7 @@ def close_fds(fds) -> None:
             pass
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+def peer_credentials(sock: _HasSockopt) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process that connected *sock* (SO_PEERCRED)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", raw)

@@ -18,16 +18,14 @@ import socket
 import stat
 import time
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from .. import manifest as mf
 from .channel import TrioChannel
-from .engines import LiveEngine, Registration
-from .protocol import (PROTOCOL_VERSION, ProtocolError, ShortPath, close_fds, peer_credentials,
-                       valid_name)
-from .view import LiveView
+from .engines import LiveEngine, Registry
+from .protocol import PROTOCOL_VERSION, ProtocolError, ShortPath, close_fds, peer_credentials, valid_name
+from .registry import Registration
 
 log = logging.getLogger("pffs.live")
 
@@ -37,35 +35,13 @@ REAP_INTERVAL = 1.0
 
 
 class LiveEngines:
-    """Every attached engine, the socket they attach through, and their view in the mount."""
+    """The socket engines attach through: who may attach, registering them into the registry."""
 
-    def __init__(self, socket_path: str | os.PathLike, uid: int | None = None, gid: int | None = None,
-                 mountpoint: str = ""):
+    def __init__(self, socket_path: str | os.PathLike, registry: Registry):
         self.socket_path = Path(socket_path)
-        #: where the mount is, for engines asked to save to or load from a path in it
-        self.mountpoint = mountpoint
-        self.uid = os.getuid() if uid is None else uid
-        self.gid = os.getgid() if gid is None else gid
-        self.engines: dict[str, LiveEngine] = {}
-        #: inode key -> LiveEngine or SessionEntry (see pffs.live.view for the numbering)
-        self.keys: dict[int, Any] = {}
-        self._next_key = 1
-        self.incoming_bytes = 0
-        self.hash_limiter = trio.CapacityLimiter(2)
-        self.view = LiveView(self)
+        self.registry = registry
         self._sock: socket.socket | None = None
         self._sock_ino: tuple[int, int] | None = None
-        self._nursery: trio.Nursery | None = None
-
-    def new_key(self, obj: Any) -> int:
-        key = self._next_key
-        self._next_key += 1
-        self.keys[key] = obj
-        return key
-
-    def spawn(self, fn, *args) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(fn, *args)
 
     # -- socket ---------------------------------------------------------------
 
@@ -111,26 +87,27 @@ class LiveEngines:
 
     async def serve(self) -> None:
         """Accept engines until cancelled (the daemon's nursery runs this)."""
+        assert self._sock is not None, "listen() first"
         lsock = trio.socket.from_stdlib_socket(self._sock)
         self._sock = None
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self.registry.nursery = nursery
                 nursery.start_soon(self._reaper)
                 while True:
                     conn, _ = await lsock.accept()
                     nursery.start_soon(self._attach, conn)
         finally:
-            self._nursery = None
+            self.registry.nursery = None
             lsock.close()
-            for eng in list(self.engines.values()):
+            for eng in list(self.registry.engines.values()):
                 eng.detach("the daemon is unmounting", True)
 
     async def _reaper(self) -> None:
         while True:
             await trio.sleep(REAP_INTERVAL)
             now = time.monotonic()
-            for eng in list(self.engines.values()):
+            for eng in list(self.registry.engines.values()):
                 eng.reap(now)
 
     # -- attaching ---------------------------------------------------------------
@@ -155,8 +132,9 @@ class LiveEngines:
 
     async def _register(self, chan: TrioChannel) -> LiveEngine | None:
         pid, uid, gid = peer_credentials(chan.sock)
-        if uid not in (self.uid, 0):
-            await self._refuse(chan, errno.EACCES, f"only uid {self.uid} (or root) may attach", pid, uid)
+        if uid not in (self.registry.uid, 0):
+            await self._refuse(chan, errno.EACCES, f"only uid {self.registry.uid} (or root) may attach",
+                               pid, uid)
             return None
         got = None
         with trio.move_on_after(HANDSHAKE_TIMEOUT):
@@ -176,15 +154,15 @@ class LiveEngines:
             await self._refuse(chan, errno.EINVAL, str(e), pid, uid)
             return None
         close_fds(fds)
-        if reg.name in self.engines:
+        if reg.name in self.registry.engines:
             shm.close()
-            other = self.engines[reg.name]
+            other = self.registry.engines[reg.name]
             await self._refuse(chan, errno.EEXIST, f"the name {reg.name!r} is taken by pid {other.reg.pid}",
                                pid, uid)
             return None
-        engine = LiveEngine(self, reg, chan, shm, 0)
-        engine.key = self.new_key(engine)
-        self.engines[reg.name] = engine
+        engine = LiveEngine(self.registry, reg, chan, shm, 0)
+        engine.key = self.registry.new_key(engine)
+        self.registry.engines[reg.name] = engine
         try:
             await chan.send({"op": "registered", "ok": True, "version": PROTOCOL_VERSION,
                              "live_path": f"engines/{reg.name}"})

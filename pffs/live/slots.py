@@ -55,7 +55,9 @@ class SlotCache:
             out.append(self._free.pop())
         while len(out) < k and self._idle:
             s, _ = self._idle.popitem(last=False)
-            del self.slot_of[self.key[s]]
+            key = self.key[s]
+            if key is not None:     # always: idle slots are READY
+                del self.slot_of[key]
             self.key[s] = None
             out.append(s)
         for s in out:
@@ -97,7 +99,8 @@ class SlotCache:
         if self.busy[s] == 0 and self.state[s] == READY:
             key = self.key[s]
             if key is None or key[0] not in self.live_snaps:
-                self.slot_of.pop(key, None)
+                if key is not None:
+                    self.slot_of.pop(key, None)
                 self._to_free(s)
             else:
                 self._idle[s] = None

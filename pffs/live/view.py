@@ -1,6 +1,6 @@
 """``MNT/engines/``: live sessions of attached engines, and sessions copied into them.
 
-Inode numbers (all above the namespace's, in VirtualTree's range): key 0 is
+Inode numbers (pffs.fs.trees.INODES: the ENGINES range): key 0 is
 ``engines/``; each engine and each session name gets a key of its own, and
 key *k* owns ``LIVE_BASE + k * SPAN`` and up::
 
@@ -18,112 +18,42 @@ is decided by its process (pffs.live.engines.LiveEngine.snapshot_for).
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import stat
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyfuse3
-import trio
 from pyfuse3 import FUSEError
 
 from .. import manifest as mf
-from ..fs.virtual import VIRT_BASE
+from ..fs.trees import LIVE_BASE, LIVE_END, LIVE_HANDLES
 from ..namespace import ROOT_INODE, now_ns
 from ..types import FileHandle, InodeNo, PageIndex
-from .engines import (INCOMING_LIMIT, EngineError, EngineGone, EngineRefused, LiveEngine,
-                      SessionEntry, Snapshot)
-from .incoming import MANIFEST, PAGES, IncomingSession, Node
-from .protocol import valid_name
-
-if TYPE_CHECKING:
-    from .server import LiveEngines
+from .engines import LiveEngine, Registry
+from .errors import EngineGone
+from .handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
+from .incoming import MANIFEST, PAGES, Node
+from .sessions import SessionEntry, Snapshot
+from .writes import _PARSE_INLINE, IncomingWrites  # noqa: F401 (_PARSE_INLINE: still importable here)
 
 log = logging.getLogger("pffs.live")
 
-LIVE_BASE = VIRT_BASE + (1 << 60)
-LIVE_END = VIRT_BASE + (1 << 61)
 SPAN = 1 << 25
 PAGE_OFFSET = 1 << 24
 ENGINES_INO = LIVE_BASE
-# File and folder handles are two number spaces; VirtualTree's own start at VIRT_BASE.
-FH_BASE = VIRT_BASE + (1 << 61)
-DH_BASE = VIRT_BASE + (1 << 61)
+# File and folder handles are two number spaces (pffs.fs.trees.FILE_HANDLES, DIR_HANDLES).
+FH_BASE = DH_BASE = LIVE_HANDLES
 ENGINES_NAME = b"engines"
 ROOT_COOKIE = 1 << 62               # readdir cookie of engines/ in the root, past every row id
 MANIFEST_J, PAGES_J = 1, 2
-# Manifests above this size are parsed in a worker thread.
-_PARSE_INLINE = 1 << 20
 
 
-def _errors(fn):
-    """Engine failures become the errno a reader or writer gets."""
-    @functools.wraps(fn)
-    async def wrapper(self, *args):
-        try:
-            return await fn(self, *args)
-        except EngineError as e:
-            raise FUSEError(e.errno) from None
-    return wrapper
-
-
-@dataclass(eq=False)
-class Handle:
-    kind: str                      # "manifest", "page" or "file" (a file being copied in)
-    entry: SessionEntry
-    snap: Snapshot | None = None
-    ix: PageIndex = PageIndex(0)
-    node: Node | None = None
-    inc: IncomingSession | None = None
-    writable: bool = False
-
-
-@dataclass(eq=False)
-class DirHandle:
-    ino: InodeNo
-    snap: Snapshot | None = None
-
-
-_TGID_TTL = 1.0
-_tgids: dict[int, tuple[int, float]] = {}
-
-
-def _pid(ctx) -> int:
-    """The process (not thread) a request comes from: readers are told apart by it.
-
-    FUSE gives the calling thread's id; threads of one reader (a page-in
-    reading pages from worker threads) must see one snapshot.  The thread ->
-    process map is cached for a second (a thread id is not reused sooner).
-    """
-    tid = getattr(ctx, "pid", 0) if ctx is not None else 0
-    if tid <= 0:
-        return 0
-    now = time.monotonic()
-    got = _tgids.get(tid)
-    if got is not None and now - got[1] < _TGID_TTL:
-        return got[0]
-    tgid = tid
-    try:
-        with open(f"/proc/{tid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Tgid:"):
-                    tgid = int(line.split()[1])
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if len(_tgids) > 4096:
-        _tgids.clear()
-    _tgids[tid] = (tgid, now)
-    return tgid
-
-
-class LiveView:
-    def __init__(self, registry: "LiveEngines"):
+class LiveView(IncomingWrites):
+    def __init__(self, registry: Registry):
         self.reg = registry
-        #: shared with VirtualTree, whose read/release/flush routes find them there
+        #: open files, by handle (pffs.fs.virtual.EnginesTree finds them here)
         self.handles: dict[FileHandle, Any] = {}
         self.dirs: dict[FileHandle, DirHandle] = {}
         self._next_fh = FH_BASE
@@ -140,7 +70,7 @@ class LiveView:
     def base(key: int) -> InodeNo:
         return InodeNo(LIVE_BASE + key * SPAN)
 
-    def _resolve(self, ino: InodeNo):
+    def _resolve(self, ino: InodeNo) -> tuple[str, Any, Any]:
         """(kind, object, extra) for an inode: engines / engine / session / manifest / pages / page / node."""
         if ino == ENGINES_INO:
             return "engines", None, None
@@ -172,7 +102,7 @@ class LiveView:
 
     # -- attributes ------------------------------------------------------------
 
-    def _attr(self, ino: InodeNo, mode: int, size: int = 0, uid: int | None = None,
+    def _attr(self, ino: int, mode: int, size: int = 0, uid: int | None = None,
               gid: int | None = None, nlink: int = 1, mtime_ns: int | None = None
               ) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -313,38 +243,6 @@ class LiveView:
         if kind == "pages":
             return self._session_attr(obj, PAGES_J, snap)
         return self._session_attr(obj, PAGE_OFFSET, snap, extra)
-
-    @_errors
-    async def setattr(self, ino: InodeNo, attr, fields, fh, ctx) -> pyfuse3.EntryAttributes:
-        kind, obj, node = self._resolve(ino)
-        if kind != "node":
-            if fields.update_size:
-                raise FUSEError(errno.EPERM)
-            # Live files keep their modes and times; tools that copy a
-            # session in (cp -a, rsync -a) set them last and must not fail.
-            return await self.getattr(ino, ctx)
-        inc = obj.incoming
-        if fields.update_size:
-            if node.is_dir:
-                raise FUSEError(errno.EISDIR)
-            self._check_gathering(inc)
-            grow = attr.st_size - node.size
-            self._charge(obj.engine, grow)
-            inc.truncate(node, attr.st_size)
-            self._account(obj.engine, grow)
-        if fields.update_mode:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
-        if fields.update_uid:
-            node.uid = attr.st_uid
-        if fields.update_gid:
-            node.gid = attr.st_gid
-        if fields.update_atime:
-            node.atime_ns = attr.st_atime_ns
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-        node.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now_ns()
-        return self._node_attr(node)
-
     # -- folders ---------------------------------------------------------------------
 
     @_errors
@@ -402,6 +300,7 @@ class LiveView:
             return
         if kind == "pages":
             snap = dh.snap
+            assert snap is not None     # opendir() took it
             if snap.released:
                 raise FUSEError(errno.EIO)
             for ix in range(start_id, snap.n_pages):
@@ -455,275 +354,28 @@ class LiveView:
             elif extra >= snap.n_pages:
                 raise FUSEError(errno.ENOENT)
             snap.refs += 1
-            h = Handle(kind, obj, snap, extra or 0)
+            h = Handle(kind, obj, snap, PageIndex(extra or 0))
         return pyfuse3.FileInfo(fh=self._new_handle(h), direct_io=True, keep_cache=False)
 
     @_errors
     async def read(self, h: Handle, off: int, size: int) -> bytes:
+        snap = h.snap
         if h.kind == "manifest":
-            return h.snap.manifest[off:off + size]
+            # open() took the snapshot and waited for its manifest.json, which stays.
+            assert snap is not None and snap.manifest is not None
+            return snap.manifest[off:off + size]
         if h.kind == "page":
+            assert snap is not None     # open() took it
             eng = h.entry.engine
-            if h.snap.released:
+            if snap.released:
                 raise EngineGone(f"engine {eng.name} is gone")
-            return await eng.read(h.snap, h.ix, off, size)
-        data = h.node.data
+            return await eng.read(snap, h.ix, off, size)
+        node = h.node
+        assert node is not None         # a file being copied in: create() or open() gave it
+        data = node.data
         return bytes(data[off:off + size])
-
-    @_errors
-    async def write(self, h: Handle, off: int, buf: bytes) -> int:
-        if not h.writable:
-            raise FUSEError(errno.EBADF)
-        entry, node, inc = h.entry, h.node, h.inc
-        if inc.state == "gone":
-            raise FUSEError(errno.ENOENT)   # paged in or refused meanwhile
-        self._check_gathering(inc)
-        grow = max(0, off + len(buf) - node.size)
-        self._charge(entry.engine, grow)
-        self._account(entry.engine, inc.write(node, off, buf))
-        return len(buf)
-
-    @_errors
-    async def flush(self, h: Handle) -> None:
-        """The close of a file being copied in: it has arrived; the last one pages the session in."""
-        if h.kind != "file" or not h.writable:
-            return
-        entry, node, inc = h.entry, h.node, h.inc
-        if inc.state != "gathering" or not node.linked:
-            return
-        if not (node.dirty or not node.arrived):
-            return
-        inc.closed(node)
-        if inc.is_manifest(node):
-            try:
-                m, data, version = await self._parse_manifest(node, self._path(entry, node), "close")
-            except FUSEError:
-                inc.set_manifest(None, None)
-                raise
-            if inc.is_manifest(node) and node.linked and node.arrived and node.version == version:
-                inc.set_manifest(m, data)
-        if inc.complete():
-            await self._page_in(entry, self._path(entry, node), "close")
 
     def release(self, h: Handle) -> None:
         if h.snap is not None:
             h.snap.refs -= 1
             h.snap.last_used = time.monotonic()
-
-    # -- copying a session in ------------------------------------------------------------
-
-    def _path(self, entry: SessionEntry, node: Node | None = None) -> str:
-        parts = []
-        while node is not None and node.parent is not None:
-            parts.append(os.fsdecode(node.name))
-            node = node.parent
-        return "/".join(["engines", entry.engine.name, entry.name, *reversed(parts)])
-
-    @staticmethod
-    def _check_gathering(inc: IncomingSession) -> None:
-        if inc.state != "gathering":
-            raise FUSEError(errno.EBUSY)
-
-    def _charge(self, eng: LiveEngine, grow: int) -> None:
-        if grow <= 0:
-            return
-        nb = eng.reg.info.get("num_blocks")
-        own = (nb * eng.page_bytes + (64 << 20)) if isinstance(nb, int) and nb > 0 else INCOMING_LIMIT
-        if eng.incoming_bytes + grow > own or self.reg.incoming_bytes + grow > INCOMING_LIMIT:
-            log.warning("write into engines/%s: sessions being copied in would hold %d bytes "
-                        "(engine pool %s, daemon limit %d)", eng.name, eng.incoming_bytes + grow,
-                        own, INCOMING_LIMIT)
-            raise FUSEError(errno.ENOSPC)
-
-    def _account(self, eng: LiveEngine, grow: int) -> None:
-        eng.incoming_bytes += grow
-        self.reg.incoming_bytes += grow
-
-    async def _parse_manifest(self, node: Node, where: str, op: str
-                              ) -> tuple[mf.Manifest, bytes, int]:
-        """Parse a manifest being copied in: (manifest, bytes, node version) or EINVAL, logged."""
-        version = node.version
-        data = bytes(node.data)
-        try:
-            if len(data) > _PARSE_INLINE:
-                m = await trio.to_thread.run_sync(mf.parse, data)
-            else:
-                m = mf.parse(data)
-        except mf.ManifestError as e:
-            log.warning("%s %s: refused manifest: %s", op, where, e)
-            raise FUSEError(errno.EINVAL) from None
-        return m, data, version
-
-    async def _page_in(self, entry: SessionEntry, where: str, op: str) -> None:
-        eng = entry.engine
-        try:
-            seqs = await eng.page_in(entry)
-        except EngineRefused as e:
-            log.warning("%s %s: engine %s refused the session, folder removed: %s", op, where,
-                        eng.name, e)
-            raise FUSEError(e.errno) from None
-        except EngineError as e:
-            log.warning("%s %s: page-in into engine %s failed: %s", op, where, eng.name, e)
-            raise FUSEError(errno.EIO) from None
-        log.info("engines/%s/%s: paged in (sequences %s)", eng.name, entry.name, ", ".join(seqs))
-
-    async def save(self, ino: InodeNo, path: str, where: str) -> int:
-        """``pffs fork engines/E/S DST``: engine E pages S out at *path* itself."""
-        kind, entry, _ = self._resolve(ino)
-        if kind != "session":
-            raise FUSEError(errno.EPERM)
-        if entry.incoming is not None:
-            raise FUSEError(errno.EBUSY)
-        eng = entry.engine
-        try:
-            n = await eng.save(entry.name, path)
-        except EngineRefused as e:
-            log.warning("save engines/%s/%s as %s: the engine refused: %s", eng.name, entry.name, where, e)
-            raise FUSEError(e.errno) from None
-        except EngineError as e:
-            log.warning("save engines/%s/%s as %s failed: %s", eng.name, entry.name, where, e)
-            raise FUSEError(errno.EIO) from None
-        log.info("engines/%s/%s: saved as %s (%d pages)", eng.name, entry.name, where, n)
-        return n
-
-    async def load(self, ino: InodeNo, name: str, path: str, where: str, ctx) -> list[str]:
-        """``pffs fork SRC engines/E[/NAME]``: engine E pages the session at *path* in itself."""
-        kind, eng, _ = self._resolve(ino)
-        if kind != "engine":
-            raise FUSEError(errno.EPERM)
-        if not valid_name(name):
-            raise FUSEError(errno.EINVAL)
-        entry = eng.entries.get(name)
-        if entry is not None and entry.incoming is not None:
-            raise FUSEError(errno.EEXIST)   # being copied in (a live name the engine refuses itself)
-        try:
-            seqs = await eng.load(name, path)
-        except EngineRefused as e:
-            log.warning("load %s into engines/%s/%s: the engine refused: %s", where, eng.name, name, e)
-            raise FUSEError(e.errno) from None
-        except EngineError as e:
-            log.warning("load %s into engines/%s/%s failed: %s", where, eng.name, name, e)
-            raise FUSEError(errno.EIO) from None
-        log.info("engines/%s/%s: paged in from %s (sequences %s)", eng.name, name, where, ", ".join(seqs))
-        return seqs
-
-    def _incoming_parent(self, parent: InodeNo) -> tuple[SessionEntry, IncomingSession, Node]:
-        kind, obj, node = self._resolve(parent)
-        if kind != "node":
-            raise FUSEError(errno.EACCES if kind in ("session", "pages") else errno.EPERM)
-        if not node.is_dir:
-            raise FUSEError(errno.ENOTDIR)
-        inc = obj.incoming
-        self._check_gathering(inc)
-        return obj, inc, node
-
-    @_errors
-    async def mkdir(self, parent: InodeNo, name: bytes, mode: int, ctx) -> pyfuse3.EntryAttributes:
-        mode = stat.S_IMODE(mode) & ~ctx.umask
-        kind, obj, _ = self._resolve(parent)
-        if kind == "engine":
-            sname = os.fsdecode(name)
-            if not valid_name(sname):
-                raise FUSEError(errno.EINVAL)
-            if await self._find_session(obj, name, _pid(ctx)) is not None:
-                raise FUSEError(errno.EEXIST)
-            entry = obj.entry(sname)
-            if entry.incoming is not None:
-                raise FUSEError(errno.EEXIST)   # made while we asked the engine
-            entry.incoming = IncomingSession(sname, self.base(entry.key), mode, ctx.uid, ctx.gid)
-            return self._node_attr(entry.incoming.root)
-        _, inc, node = self._incoming_parent(parent)
-        if name in node.children:
-            raise FUSEError(errno.EEXIST)
-        return self._node_attr(inc.make(node, name, stat.S_IFDIR | mode, ctx.uid, ctx.gid))
-
-    @_errors
-    async def create(self, parent: InodeNo, name: bytes, mode: int, flags: int, ctx):
-        entry, inc, node = self._incoming_parent(parent)
-        if name in node.children:
-            raise FUSEError(errno.EEXIST)
-        child = inc.make(node, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask), ctx.uid, ctx.gid)
-        fh = self._new_handle(Handle("file", entry, node=child, inc=inc,
-                                     writable=(flags & os.O_ACCMODE) != os.O_RDONLY))
-        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False), self._node_attr(child)
-
-    @_errors
-    async def unlink(self, parent: InodeNo, name: bytes, ctx) -> None:
-        entry, inc, node = self._incoming_parent(parent)
-        child = node.children.get(name)
-        if child is None:
-            raise FUSEError(errno.ENOENT)
-        if child.is_dir:
-            raise FUSEError(errno.EISDIR)
-        self._account(entry.engine, -inc.detach(child))
-
-    @_errors
-    async def rmdir(self, parent: InodeNo, name: bytes, ctx) -> None:
-        kind, obj, _ = self._resolve(parent)
-        if kind == "engine":
-            entry = obj.entries.get(os.fsdecode(name))
-            if entry is None or entry.incoming is None:
-                # Live sessions end when their requests do, not by rmdir.
-                raise FUSEError(errno.EPERM if entry is not None else errno.ENOENT)
-            if entry.incoming.root.children:
-                raise FUSEError(errno.ENOTEMPTY)
-            if entry.incoming.state != "gathering":
-                raise FUSEError(errno.EBUSY)
-            obj.drop_incoming(entry)
-            return
-        entry, inc, node = self._incoming_parent(parent)
-        child = node.children.get(name)
-        if child is None:
-            raise FUSEError(errno.ENOENT)
-        if not child.is_dir:
-            raise FUSEError(errno.ENOTDIR)
-        if child.children:
-            raise FUSEError(errno.ENOTEMPTY)
-        inc.detach(child)
-
-    @_errors
-    async def rename(self, p_old: InodeNo, n_old: bytes, p_new: InodeNo, n_new: bytes, flags: int, ctx) -> None:
-        if not (self.owns(p_old) and self.owns(p_new)):
-            raise FUSEError(errno.EXDEV)
-        entry, inc, src_dir = self._incoming_parent(p_old)
-        entry2, inc2, dst_dir = self._incoming_parent(p_new)
-        if inc2 is not inc:
-            raise FUSEError(errno.EXDEV)
-        if flags & ~pyfuse3.RENAME_NOREPLACE:
-            raise FUSEError(errno.EINVAL)
-        node = src_dir.children.get(n_old)
-        if node is None:
-            raise FUSEError(errno.ENOENT)
-        p = dst_dir
-        while p is not None:
-            if p is node:
-                raise FUSEError(errno.EINVAL)   # into itself
-            p = p.parent
-        target = dst_dir.children.get(n_new)
-        if target is node:
-            return
-        if target is not None:
-            if flags & pyfuse3.RENAME_NOREPLACE:
-                raise FUSEError(errno.EEXIST)
-            if target.is_dir and not node.is_dir:
-                raise FUSEError(errno.EISDIR)
-            if node.is_dir and not target.is_dir:
-                raise FUSEError(errno.ENOTDIR)
-            if target.is_dir and target.children:
-                raise FUSEError(errno.ENOTEMPTY)
-        becomes_manifest = dst_dir is inc.root and n_new == MANIFEST and not node.is_dir
-        checked = None
-        if becomes_manifest:
-            # Validated as it takes the name, like any manifest.json (SPEC §3.3).
-            checked = await self._parse_manifest(
-                node, self._path(entry, dst_dir) + "/" + mf.MANIFEST_NAME, "rename")
-            if (inc.state != "gathering" or src_dir.children.get(n_old) is not node
-                    or dst_dir.children.get(n_new) is not target):
-                raise FUSEError(errno.EBUSY)
-        if target is not None:
-            self._account(entry.engine, -inc.detach(target))
-        inc.move(node, dst_dir, n_new)
-        if checked is not None and node.arrived and node.version == checked[2]:
-            inc.set_manifest(checked[0], checked[1])
-        if inc.complete():
-            await self._page_in(entry, self._path(entry, node), "rename")

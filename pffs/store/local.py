@@ -22,11 +22,14 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, StoreFull
 from ..types import Digest, digest_hex, digest_of, is_digest
+
+if TYPE_CHECKING:
+    from ..reserve import SpaceReserve
 
 BLOB_DIR = "blobs"
 _TMP_PREFIX = ".tmp-"
@@ -83,6 +86,8 @@ def decode_verified(digest: Digest, frame: bytes, max_raw: int, verify: bool = T
 class LocalBlobStore:
     """Blobs under ``root/blobs``; safe to share between threads and processes."""
 
+    remote = False      # (pffs.store.base.BlobStore)
+
     def __init__(self, root: str | os.PathLike, codec: str = codec_mod.DEFAULT_CODEC,
                  max_raw: int = codec_mod.MAX_RAW):
         self.root = Path(root)
@@ -92,7 +97,7 @@ class LocalBlobStore:
         self.max_raw = max_raw
         # Set by a mounted daemon: space kept back so deletions can commit
         # on a full disk (see pffs.reserve); puts refuse to eat into it.
-        self.reserve = None
+        self.reserve: SpaceReserve | None = None
 
     def create_dirs(self) -> None:
         """Create the 256 fan-out directories once, so puts never mkdir."""
@@ -280,7 +285,7 @@ class PutBatch:
     thread syncs it; a sync covers every put that returned before it began.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._files: set[str] = set()
         self._lock = threading.Lock()
 
@@ -305,7 +310,7 @@ class PutBatch:
         commit must not commit rows naming them.
         """
         with self._lock:
-            files, self._files = self._files, set()
+            names, self._files = self._files, set()
 
         def sync_file(p: Path) -> bool:
             try:
@@ -318,7 +323,7 @@ class PutBatch:
                 os.close(fd)
             return True
 
-        files = sorted(map(Path, files))
+        files = sorted(map(Path, names))
         if len(files) > SYNCFS_MIN and _syncfs is not None:
             # One syncfs() makes every file and directory of the store's
             # filesystem durable in a single journal commit, where one fsync

@@ -26,37 +26,44 @@ boto3 is imported on first use, so local stores never need it.
 from __future__ import annotations
 
 import email.utils
-import hashlib
-import json
 import os
-import re
-import secrets
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
 from ..namespace import BlobRow
 from ..types import Digest, digest_hex, digest_of, is_digest
-from .local import _TMP_PREFIX, LocalBlobStore, PutResult, decode_verified
+from .framecache import FrameCache
+from .local import PutResult, decode_verified
+from .s3client import DOWN_HOLD, S3Requests, _status
+from .s3config import (
+    _PERSISTED,
+    BLOBS,
+    CONFIG_NAME,
+    MANIFESTS,
+    MOUNTS,
+    OPTIONS,
+    SCHEME,
+    TRASH,
+    bind,
+    default_cache_dir,
+    is_remote,
+    parse_url,
+    read_config,
+    url_of,
+)
 
-SCHEME = "s3://"
-CONFIG_NAME = "remote.json"
-BLOBS = "blobs/"
-TRASH = "trash/"
-MANIFESTS = "manifests/"
-MOUNTS = "mounts/"
+if TYPE_CHECKING:
+    from ..reserve import SpaceReserve
 
-# Mount options (``-o``) that configure the S3 client; ``lease`` is pffs.remote's.
-OPTIONS = ("endpoint", "region", "access_key", "secret_key", "addressing", "s3_timeout",
-           "s3_retries", "upload_threads", "lease")
-# Options worth remembering in remote.json for later tools (never secrets).
-_PERSISTED = ("endpoint", "region", "addressing")
+__all__ = ["SCHEME", "CONFIG_NAME", "BLOBS", "TRASH", "MANIFESTS", "MOUNTS", "OPTIONS", "DOWN_HOLD",
+           "url_of", "parse_url", "is_remote", "default_cache_dir", "read_config", "bind",
+           "open_remote", "open_url", "ObjectInfo", "S3BlobStore", "S3PutBatch", "FrameCache"]
 
 DEFAULT_TIMEOUT = 5.0      # seconds to connect, and to wait for each read
 DEFAULT_RETRIES = 2        # attempts in all (botocore "standard" mode)
@@ -67,7 +74,6 @@ DEFAULT_CACHE = 128 << 20
 # (a blob seen stored cannot be gone for good before a grace period passes).
 _PRESENT_TTL = 2.0
 _ABSENT_TTL = 2.0
-DOWN_HOLD = 1.0
 # Blobs up to this raw size that the mount does not know are put without a
 # HEAD first: the conditional PUT answers "already there" itself, and one
 # request beats two; larger ones are looked up first, so that a page another
@@ -75,76 +81,9 @@ DOWN_HOLD = 1.0
 PUT_FIRST_MAX = 1 << 20
 _META_RAW = "pffs-raw-size"
 _META_CODEC = "pffs-codec"
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
 
 
-# -- URLs and the cache folder ------------------------------------------------
-
-def url_of(value) -> str | None:
-    """The normalised ``s3://bucket/prefix`` if *value* is an S3 URL, else None."""
-    if value is None or not str(value).startswith(SCHEME):
-        return None
-    bucket, prefix = parse_url(str(value))
-    return f"{SCHEME}{bucket}/{prefix.rstrip('/')}" if prefix else f"{SCHEME}{bucket}"
-
-
-def parse_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` → ('bucket', 'a/b/'); the prefix is '' or ends in '/'."""
-    rest = url[len(SCHEME):]
-    bucket, _, prefix = rest.partition("/")
-    if not _BUCKET_RE.match(bucket):
-        raise PffsError(f"{url}: bad bucket name {bucket!r} (3-63 lowercase letters, digits, '.', '-')")
-    parts = [p for p in prefix.split("/") if p]
-    if any(p in (".", "..") for p in parts):
-        raise PffsError(f"{url}: '.' and '..' are not allowed in the prefix")
-    return bucket, "".join(p + "/" for p in parts)
-
-
-def is_remote(store) -> bool:
-    """Whether a --store value names an S3 store: its URL, or a cache folder bound to one."""
-    if store is None:
-        return False
-    return url_of(store) is not None or (Path(store) / CONFIG_NAME).exists()
-
-
-def default_cache_dir(url: str) -> Path:
-    """``$XDG_CACHE_HOME/pffs/<bucket>-<prefix>-<hash>`` (or ~/.cache/pffs/…), one per URL."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    bucket, prefix = parse_url(url)
-    label = re.sub(r"[^A-Za-z0-9.\-]+", "-", f"{bucket}-{prefix}").strip("-")[:80]
-    return Path(base) / "pffs" / f"{label}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
-
-
-def read_config(root: Path) -> dict | None:
-    try:
-        with open(root / CONFIG_NAME) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise PffsError(f"{root / CONFIG_NAME}: unreadable ({e})") from None
-    if not isinstance(cfg, dict) or url_of(cfg.get("url")) is None:
-        raise PffsError(f"{root / CONFIG_NAME}: no s3:// url in it")
-    return cfg
-
-
-def bind(root: Path, url: str, options: dict) -> dict:
-    """Bind the cache folder *root* to *url* (remote.json); refuse a folder bound elsewhere."""
-    cfg = read_config(root)
-    if cfg is not None and url_of(cfg["url"]) != url:
-        raise PffsError(f"{root} is the cache folder of {cfg['url']}, not of {url}")
-    if cfg is None and (root / "namespace.db").exists():
-        raise PffsError(f"{root} holds a local pffs store; give S3 stores a folder of their own (--cache)")
-    new = dict(cfg or {})
-    new["url"] = url
-    new.update({k: options[k] for k in _PERSISTED if options.get(k)})
-    if new != cfg:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{CONFIG_NAME}.{os.getpid()}"
-        tmp.write_text(json.dumps(new, indent=2) + "\n")
-        os.replace(tmp, root / CONFIG_NAME)
-    return new
-
+# -- opening the store of a cache folder -----------------------------------------
 
 def open_remote(root: Path, url: str | None, options: dict | None = None,
                 **kwargs) -> "S3BlobStore | None":
@@ -156,7 +95,10 @@ def open_remote(root: Path, url: str | None, options: dict | None = None,
     for k in _PERSISTED:
         if not options.get(k) and cfg.get(k):
             options[k] = cfg[k]
-    return S3BlobStore(root, url_of(cfg["url"]), options=options, **kwargs)
+    store_url = url_of(cfg["url"])
+    if store_url is None:  # read_config refuses such a remote.json; bind is given S3 URLs
+        raise PffsError(f"{root / CONFIG_NAME}: no s3:// url in it")
+    return S3BlobStore(root, store_url, options=options, **kwargs)
 
 
 def open_url(url: str) -> "S3BlobStore":
@@ -186,8 +128,10 @@ class ObjectInfo:
     last_modified: float = 0.0
 
 
-class S3BlobStore:
+class S3BlobStore(S3Requests):
     """Blobs in ``s3://bucket/prefix/blobs``, with a local frame cache; thread-safe."""
+
+    remote = True       # (pffs.store.base.BlobStore)
 
     def __init__(self, root: str | os.PathLike, url: str, *, options: dict | None = None,
                  codec: str = codec_mod.DEFAULT_CODEC, max_raw: int = codec_mod.MAX_RAW):
@@ -197,10 +141,11 @@ class S3BlobStore:
         self.bucket, self.prefix = parse_url(url)
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
-        self.reserve = None  # set by a mounted daemon; the cache never eats into it
+        # Set by a mounted daemon; the cache never eats into it.
+        self.reserve: SpaceReserve | None = None
         # Set by a mount: whether its namespace knows the digest (then a HEAD
         # before the upload is worth it, however small the blob).
-        self.likely_stored = None
+        self.likely_stored: Callable[[str], bool] | None = None
         self.cache = FrameCache(self.root, DEFAULT_CACHE)
         self.endpoint = opts.get("endpoint") or None
         self.region = opts.get("region") or None
@@ -242,103 +187,12 @@ class S3BlobStore:
 
     # -- plumbing ------------------------------------------------------------
 
-    @property
-    def client(self):
-        if self._client is None:
-            with self._client_lock:
-                if self._client is None:
-                    self._client = self._make_client()
-        return self._client
-
-    def _make_client(self):
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError:
-            raise PffsError("S3 stores need boto3: pip install 'pffs[s3]'") from None
-        kw = dict(connect_timeout=self.timeout, read_timeout=self.timeout,
-                  retries={"total_max_attempts": self.retries, "mode": "standard"},
-                  max_pool_connections=2 * self.threads + 8, s3={"addressing_style": self.addressing},
-                  signature_version="s3v4")
-        try:
-            # sha256 of every blob is checked on read; spare the extra CRCs.
-            config = Config(**kw, request_checksum_calculation="when_required",
-                            response_checksum_validation="when_required")
-        except TypeError:
-            config = Config(**kw)
-        session = boto3.session.Session(aws_access_key_id=self.access_key,
-                                        aws_secret_access_key=self.secret_key,
-                                        region_name=self.region)
-        if session.region_name is None:
-            session = boto3.session.Session(aws_access_key_id=self.access_key,
-                                            aws_secret_access_key=self.secret_key,
-                                            region_name="us-east-1")
-        client = session.client("s3", endpoint_url=self.endpoint, config=config)
-        client.meta.events.register("response-received.s3", self._on_response)
-        return client
-
-    def _on_response(self, response_dict=None, **kw) -> None:
-        if response_dict is not None:  # the endpoint answered (any status)
-            self._last_answer = time.monotonic()
-            self._down_until = 0.0
-
-    @property
-    def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            with self._client_lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=self.threads,
-                                                    thread_name_prefix="pffs-s3")
-        return self._pool
-
     def set_cache_limit(self, limit: int) -> None:
         self.cache.limit = limit
 
     def key(self, digest: Digest, area: str = BLOBS) -> str:
         h = digest_hex(digest)
         return f"{self.prefix}{area}{h[:2]}/{h}"
-
-    def _check_up(self, what: str) -> None:
-        """Fail at once while the endpoint is held silent; else note when this request began."""
-        self._began.t = now = time.monotonic()
-        if now < self._down_until:
-            raise StoreUnavailable(f"{self.url}: {what}: {self._down_reason}")
-
-    def _call(self, op: str, what: str, **kw):
-        """One S3 request; None for "no such key", StoreUnavailable for everything the network did."""
-        from botocore.exceptions import BotoCoreError, ClientError
-        self._check_up(what)
-        try:
-            return getattr(self.client, op)(Bucket=self.bucket, **kw)
-        except ClientError as e:
-            if _status(e) == 404 and _code(e) not in ("NoSuchBucket",):
-                return None
-            raise self._error(what, e) from None
-        except (BotoCoreError, OSError) as e:
-            raise self._error(what, e) from None
-
-    def _error(self, what: str, e: Exception, *, hold: bool = True) -> StoreUnavailable:
-        """The StoreUnavailable for a failed request; a timeout of one that
-        nothing answered since it began holds the endpoint (unless not *hold*)."""
-        from botocore.exceptions import ClientError
-        if isinstance(e, ClientError):
-            code, status = _code(e), _status(e)
-            if code == "NoSuchBucket":
-                why = "the bucket does not exist"
-            elif status == 403:
-                why = f"access denied ({code})"
-            else:
-                why = f"{code or 'error'} (HTTP {status})"
-        else:
-            from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
-            why = str(e) or type(e).__name__
-            began = getattr(self._began, "t", 0.0)
-            if hold and isinstance(e, (ConnectTimeoutError, ReadTimeoutError)) \
-                    and self._last_answer <= began:
-                # Refused connections fail fast by themselves; only timeouts hold.
-                self._down_reason = f"no answer a moment ago ({why})"
-                self._down_until = time.monotonic() + DOWN_HOLD
-        return StoreUnavailable(f"{self.url}: {what}: {why}")
 
     def create_dirs(self) -> None:
         """The local cache folder's fan-out directories (the bucket needs none)."""
@@ -692,18 +546,10 @@ class S3BlobStore:
         return r is not None
 
 
-def _status(e) -> int:
-    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-
-
-def _code(e) -> str:
-    return str(e.response.get("Error", {}).get("Code") or "")
-
-
 class S3PutBatch:
     """Uploads running on the store's pool; :meth:`sync` waits for every one of them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._futures: list[Future] = []
         self._lock = threading.Lock()
 
@@ -727,107 +573,3 @@ class S3PutBatch:
         if error is not None:
             raise error
         return []
-
-
-class FrameCache:
-    """Frames of recently used blobs under ``root/blobs`` (the local store's layout), LRU by bytes.
-
-    Disposable: written without fsync, verified on every read like any blob,
-    and evicted oldest first (order kept across restarts by the files' mtimes).
-    """
-
-    def __init__(self, root: Path, limit: int):
-        self.store = LocalBlobStore(root)
-        self.limit = limit
-        self.used = 0
-        self._lru: OrderedDict[str, int] | None = None
-        self._lock = threading.Lock()
-
-    def _index(self) -> OrderedDict[str, int]:
-        if self._lru is None:
-            found = []
-            for d in self.store:
-                try:
-                    st = self.store.path(d).stat()
-                except FileNotFoundError:
-                    continue
-                found.append((st.st_mtime, d, st.st_size))
-            found.sort()
-            self._lru = OrderedDict((d, size) for _, d, size in found)
-            self.used = sum(self._lru.values())
-            self._evict()
-        return self._lru
-
-    def _evict(self) -> None:
-        while self.used > self.limit and self._lru:
-            d, size = self._lru.popitem(last=False)
-            self.used -= size
-            try:
-                os.unlink(self.store.path(Digest(d)))
-            except OSError:
-                pass
-
-    def get(self, digest: Digest) -> bytes | None:
-        with self._lock:
-            lru = self._index()
-            if digest not in lru:
-                return None
-            lru.move_to_end(digest)
-        path = self.store.path(digest)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-            os.utime(path)
-        except OSError:
-            self.discard(digest)
-            return None
-        return data
-
-    def head(self, digest: Digest) -> bytes | None:
-        with self._lock:
-            if digest not in self._index():
-                return None
-        try:
-            with open(self.store.path(digest), "rb") as f:
-                return f.read(codec_mod.HEADER_SIZE)
-        except OSError:
-            return None
-
-    def put(self, digest: Digest, frame: bytes) -> None:
-        if len(frame) > self.limit:
-            return
-        with self._lock:
-            if digest in self._index():
-                return
-        path = self.store.path(digest)
-        tmp = path.parent / f"{_TMP_PREFIX}{path.name[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(frame)
-            os.rename(tmp, path)
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return  # a full or missing cache folder costs speed, not data
-        with self._lock:
-            lru = self._index()
-            if digest not in lru:
-                lru[digest] = len(frame)
-                self.used += len(frame)
-            self._evict()
-
-    def discard(self, digest: Digest) -> None:
-        with self._lock:
-            size = self._index().pop(digest, None)
-            if size is not None:
-                self.used -= size
-        try:
-            os.unlink(self.store.path(digest))
-        except OSError:
-            pass
-
-    def __contains__(self, digest: str) -> bool:
-        with self._lock:
-            return digest in self._index()

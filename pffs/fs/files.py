@@ -1,0 +1,479 @@
+"""Open files of the namespace: handles, staged writes, and their commits.
+
+A file changed through a handle is staged (``pffs.fs.staging.Staging``):
+its bytes are kept in memory or a spill file until a flush, fsync or the
+last close commits them (``ContentStore.store``: blobs first, then the
+namespace rows, in one transaction).  ``InodeState.lock`` orders the writes
+and the commit of one inode.  A reader of a file not being changed reads
+its committed blobs through the blob cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from .. import manifest as mf
+from .. import namespace as ns
+from ..errors import StoreFull, StoreUnavailable
+from ..namespace import BLOCK_SIZE, FsError
+from .blobcache import BlobReader
+from .content import AcceptedManifest, ContentStore, StoredContent
+from .db import Database
+from .inodes import InodeState, InodeTable, Invalidator
+from .prefetch import Prefetch
+from .staging import MemoryBudget, Staging, journal_inode
+
+log = logging.getLogger("pffs.fs")
+
+MANIFEST = mf.MANIFEST_NAME.encode()
+# Writes to (and reads of) a staged file on disk up to this size are done on
+# the event loop: a pwrite into the page cache costs less than a hand-off.
+SMALL_WRITE = 64 << 10
+
+
+class _LateRefusal(Exception):
+    """A commit's bytes, not checked as a manifest, found named manifest.json in its transaction."""
+
+    def __init__(self, error: mf.ManifestError):
+        super().__init__(str(error))
+        self.error = error
+
+
+
+
+@dataclass
+class OpenFile:
+    ino: int
+    writable: bool
+    uid: int
+    gid: int
+
+
+class Files:
+    def __init__(self, db: Database, content: ContentStore, inodes: InodeTable, reader: BlobReader,
+                 prefetch: Prefetch, invalidate: Invalidator, *, staging_memory: int = 128 << 20,
+                 journal_fsync: bool = True):
+        self.db = db
+        self.content = content
+        self.inodes = inodes
+        self.reader = reader
+        self.prefetch = prefetch
+        self.invalidate = invalidate
+        self.budget = MemoryBudget(staging_memory)
+        self.handles: dict[int, OpenFile] = {}
+        self._next_fh = 1
+        # fsync() of a staged file journals its bytes rather than committing them
+        # (off for an S3 store: there, fsync uploads).
+        self.journal_fsync = journal_fsync
+        # Full blocks of a file being written are stored while it is written
+        # (off where a commit uploads or syncs its blobs: S3, -o sync=close).
+        self.write_behind = not content.sync_on_close
+        self.behind_limiter = trio.CapacityLimiter(1)   # (the block budget allows one anyway)
+        self.nursery: trio.Nursery | None = None        # (the daemon's, while it serves)
+
+    def created(self, ino: int, name: bytes, flags: int, ctx) -> int:
+        """A handle of a file just created empty (its first write needs nothing
+        from the namespace)."""
+        fh = self.open_handle(ino, flags, ctx)
+        st = self.inodes.states[ino]
+        if st.staging is None:
+            st.staging = Staging(self.budget, str(self.content.staging_dir))
+            st.plain = name != MANIFEST
+            st.blocks, st.size = [], 0  # what is committed: nothing
+        return fh
+
+    def open_handle(self, ino: int, flags: int, ctx) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        self.handles[fh] = OpenFile(ino, writable, ctx.uid, ctx.gid)
+        st = self.inodes.state(ino)
+        st.opens += 1
+        if writable:
+            st.writers += 1
+            st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
+        return fh
+
+    async def open(self, inode, flags, ctx):
+        # (The kernel sends opendir, never open, for a directory.)
+        fh = self.open_handle(inode, flags, ctx)
+        if self.nursery is not None and (flags & os.O_ACCMODE) != os.O_WRONLY:
+            self.prefetch.after_open(inode)
+        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            # libfuse asks for atomic O_TRUNC: the truncation arrives here, and
+            # is staged like a write (a refused manifest keeps its old bytes).
+            st = self.inodes.states[inode]
+            async with st.lock:
+                stg = st.staging or await self._load_staging(inode, st, empty=True)
+                if stg.size:
+                    stg.truncate(0)
+                else:
+                    stg._changed()
+                stg.mtime_ns = ns.now_ns()
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        of = self.handles[fh]
+        st = self.inodes.states.get(of.ino)
+        if st is not None and st.staging is not None:
+            async with st.lock:
+                stg = st.staging
+                if stg is not None:
+                    end = min(off + size, stg.size)
+                    if stg.unloaded_in(off, end):
+                        return await self._read_staged(of.ino, stg, off, end)
+                    if stg.in_memory or size <= SMALL_WRITE:
+                        return stg.read(off, size)
+                    return await trio.to_thread.run_sync(stg.read, off, size)
+        if st is None or st.blocks is None:
+            # Committed size and blocks, kept until the next commit of this inode.
+            size_now, blocks = self.prefetch.committed(of.ino)
+            if st is not None:
+                st.blocks, st.size = blocks, size_now
+        else:
+            blocks, size_now = st.blocks, st.size
+        end = min(off + size, size_now)
+        if off >= end:
+            return b""
+        out = []
+        for bn in range(off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
+            data = await self.reader.blob(blocks[bn], of.ino)
+            base = bn * BLOCK_SIZE
+            out.append(data[max(off, base) - base:min(end, base + len(data)) - base])
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    async def _read_staged(self, ino: int, stg: Staging, off: int, end: int) -> bytes:
+        """Bytes [off, end) of a staged file some of whose blocks are not read in
+        yet: those from the blob cache, the others from the spill file."""
+        parts = []
+        for bn in range(off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
+            base = bn * BLOCK_SIZE
+            a, b = max(off, base), min(end, base + BLOCK_SIZE)
+            if bn in stg.unloaded:
+                parts.append((await self.reader.blob(stg.clean[bn], ino))[a - base:b - base])
+            else:
+                parts.append(await trio.to_thread.run_sync(stg.read, a, b - a))
+        return b"".join(parts)
+
+    async def _load_staging(self, ino: int, st: InodeState, empty: bool = False) -> Staging:
+        """Stage a file for change, starting from its committed bytes (or none): a
+        file of several blocks reads each in when it is first changed."""
+        node = ns.get_inode(self.db.ro, ino)
+        blocks = ns.blocks_of(self.db.ro, ino) if node.size and not empty else []
+        if len(blocks) == 1:
+            stg = Staging(self.budget, str(self.content.staging_dir), await self.reader.blob(blocks[0], ino))
+        else:
+            # A block at a time into the staging's spill file, never the whole
+            # file in memory; blocks of zeros stay holes, read nor written.
+            stg = Staging(self.budget, str(self.content.staging_dir), b"")
+            zero = {}
+            if blocks:
+                await trio.to_thread.run_sync(stg.truncate, node.size)
+                for n in {BLOCK_SIZE, node.size - (len(blocks) - 1) * BLOCK_SIZE}:
+                    zero[n] = await trio.to_thread.run_sync(self.content.zero_digest, n)
+            stg.clean = dict(enumerate(blocks))
+            # (Read in when first changed, see Staging.unloaded.)
+            stg.unloaded = {bn for bn, d in enumerate(blocks)
+                            if d != zero[min(BLOCK_SIZE, node.size - bn * BLOCK_SIZE)]}
+            stg.fetch = self.content.get
+        stg.dirty = False
+        st.staging = stg
+        return stg
+
+    async def write(self, fh, off, buf):
+        of = self.handles[fh]
+        if not of.writable:
+            raise FUSEError(errno.EBADF)
+        self.size_ok(of.ino, off + len(buf), "write")
+        st = self.inodes.states[of.ino]
+        async with st.lock:
+            stg = st.staging or await self._load_staging(of.ino, st)
+            end = off + len(buf)
+            if stg.unloaded:
+                await self._read_in(of.ino, stg, min(off, stg.size), end, (off, end))
+            was_in_memory = stg.in_memory
+            if (stg.in_memory and not stg.spills(off, len(buf))) \
+                    or (not stg.in_memory and len(buf) <= SMALL_WRITE):
+                # A copy into memory, or a small one into the spill file's page
+                # cache (a database's pages): not worth a thread's hand-off.
+                stg.write(off, buf)
+            else:
+                await trio.to_thread.run_sync(stg.write, off, buf)
+            stg.mtime_ns = ns.now_ns()
+            if end >= BLOCK_SIZE and self.write_behind and not stg.in_memory \
+                    and self.nursery is not None:
+                # Blocks the write ends (and those before it when it moved the file
+                # to disk) that one run of sequential writes wrote whole: a random
+                # writer's blocks would be written again, and stored for nothing.
+                lo = 0 if was_in_memory else off // BLOCK_SIZE
+                lo = max(lo, -(-stg.run_start // BLOCK_SIZE))
+                for bn in range(lo, min(end, stg.size) // BLOCK_SIZE):
+                    if bn not in stg.clean and bn not in stg.inflight:
+                        stg.inflight.add(bn)
+                        stg.spoiled.discard(bn)
+                        st.behind[bn] = trio.Event()
+                        self.nursery.start_soon(self._write_behind, of.ino, st, stg, bn)
+        return len(buf)
+
+    async def _read_in(self, ino: int, stg: Staging, off: int, end: int,
+                       whole: tuple[int, int] = (0, 0)) -> None:
+        """Before bytes [off, end) of a staged file change: read in the blocks
+        that hold them (Staging.unloaded), through the blob cache, but those the
+        write's range *whole* covers entirely."""
+        for bn in stg.to_read_in(off, end, whole):
+            data = await self.reader.blob(stg.clean[bn], ino)
+            if bn in stg.unloaded:
+                await trio.to_thread.run_sync(stg.fill, bn, data)
+
+    async def _write_behind(self, ino: int, st: InodeState, stg: Staging, bn: int) -> None:
+        """A writer just wrote the last bytes of block *bn*: store it now, in a
+        worker thread, while the writer goes on (a sequential writer's commit is
+        then its last block only).  Its blob is named at the commit if no write
+        touched the block meanwhile (``Staging.spoiled``)."""
+        done = st.behind[bn]
+        row = None
+        fd = -1
+        try:
+            if stg.fd is None:
+                return
+            fd = os.dup(stg.fd)
+            if stg.pins is None and self.content.gc_lock is not None:
+                stg.pins = self.content.gc_lock.pin()
+            row = await trio.to_thread.run_sync(self.content.store_block, stg, fd, bn,
+                                                limiter=self.behind_limiter)
+        except (OSError, StoreFull, ValueError) as e:
+            # (The commit stores the block itself, and reports what fails then.)
+            log.debug("write-behind of block %d of inode %d: %s", bn, ino, e)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            stg.inflight.discard(bn)
+            del st.behind[bn]
+            done.set()
+        if row is not None and bn not in stg.spoiled and st.staging is stg \
+                and (bn + 1) * BLOCK_SIZE <= stg.size:
+            stg.clean[bn] = row.digest
+            stg.early_rows[row.digest] = row
+        stg.spoiled.discard(bn)
+
+    def size_ok(self, ino: int, size: int, op: str) -> None:
+        if size > ns.MAX_FILE_SIZE:
+            log.info("%s %s: %d bytes refused (the largest file is %d bytes)", op, self.inodes.path_of(ino),
+                     size, ns.MAX_FILE_SIZE)
+            raise FUSEError(errno.EFBIG)
+
+    async def truncate(self, ino: int, size: int, ctx) -> None:
+        st = self.inodes.state(ino)
+        st.opens += 1  # hold the state while we work
+        try:
+            async with st.lock:
+                stg = st.staging or await self._load_staging(ino, st)
+                # (The blocks cut or grown into; none past the new end.)
+                await self._read_in(ino, stg, min(size, stg.size),
+                                    min(max(size, stg.size), -(-size // BLOCK_SIZE) * BLOCK_SIZE))
+                await trio.to_thread.run_sync(stg.truncate, size)
+                stg.mtime_ns = ns.now_ns()
+                if not st.writers:
+                    # No handle open for writing will flush this: commit now.
+                    st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
+                    await self.commit(ino, st)
+        finally:
+            st.opens -= 1
+            await self._drop_state_if_idle(ino)
+
+    async def commit(self, ino: int, st: InodeState, check_manifest: bool = True) -> None:
+        """Hash, compress and store the staged bytes, then point the inode at them.
+
+        Caller holds ``st.lock``.  A file named manifest.json must hold a valid
+        manifest, else EINVAL and the staged bytes are dropped (the previous
+        content stays).
+        """
+        while st.behind:    # blocks being stored by write-behind: their results first
+            await next(iter(st.behind.values())).wait()
+        stg = st.staging
+        if stg is None or not stg.dirty:
+            return
+        is_manifest = check_manifest and self._named_manifest(ino, st)
+        uid, gid = st.writer_uid, st.writer_gid
+        was_empty = st.blocks == []     # known committed content: none
+
+        def fn(conn, stored):
+            m = stored.manifest
+            if m is None and any(n == MANIFEST for _, n in ns.names_of(conn, ino)):
+                # It took the name manifest.json after the check above (a rename
+                # committed meanwhile): its bytes are checked here, where the
+                # names are those this transaction commits against.
+                try:
+                    if stored.size > mf.MAX_MANIFEST_BYTES:
+                        raise mf.ManifestError("manifest", f"{stored.size} bytes exceed the "
+                                               f"{mf.MAX_MANIFEST_BYTES}-byte cap")
+                    m = mf.parse(stg.read(0, stored.size))
+                except mf.ManifestError as e:
+                    raise _LateRefusal(e) from None
+            ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
+                           stg.mtime_ns, was_empty=was_empty)
+            created = []
+            if isinstance(m, AcceptedManifest):
+                # A fork's manifest: its page list is the accepted one's, unless
+                # that went with its last holder since (then it is parsed anew).
+                if not ns.record_known_manifest(conn, ino, stored.digest, m.n_pages):
+                    ns.record_manifest(conn, ino, mf.parse(stg.read(0, stored.size)).pages,
+                                       stored.digest)
+            elif m is not None:
+                ns.record_manifest(conn, ino, m.pages, stored.digest)
+            if m is not None:
+                for parent, name in ns.names_of(conn, ino):
+                    if name == MANIFEST:
+                        created += ns.fork_pages(conn, parent, stored.digest, uid, gid)
+            return created
+
+        try:
+            stored, created = await self.content.store(
+                stg, parse_manifest=is_manifest,
+                then=lambda stored: self.db.run_in_transaction(fn, stored))
+        except StoreFull as e:
+            stg.forget_early()     # (gc may take write-behind's blobs: room comes back sooner)
+            raise StoreFull(f"{self.inodes.path_of(ino)}: {e}") from None  # the log line names the file
+        except _LateRefusal as e:
+            stored = StoredContent(stg.size, "", [], [], manifest_error=e.error)
+        if stored.manifest_error is not None:
+            where = self.inodes.path_of(ino)
+            log.warning("close %s: refused manifest: %s", where, stored.manifest_error)
+            stg.close()
+            st.staging = None
+            self.invalidate.inode(ino, False)
+            raise FUSEError(errno.EINVAL)
+        st.blocks, st.size = stored.blocks, stored.size
+        stg.dirty = False
+        stg.unsynced = 0
+        self.invalidate.announce(created)
+
+    async def _drop_state_if_idle(self, ino: int) -> None:
+        st = self.inodes.states.get(ino)
+        if st is None or st.opens > 0:
+            return
+        if st.staging is not None:
+            if st.staging.dirty:
+                await self._commit_or_say(ino, st, "release")
+            if st.opens > 0:
+                return
+            if st.staging is not None:
+                stg = st.staging
+                st.staging = None  # a release waiting on the lock finds nothing left to commit
+                if stg.journaled and not stg.dirty:
+                    # Its fsynced bytes are committed: that commit is made durable
+                    # before the journal file goes.
+                    await self.content.sync_pending()
+                    await self.db.sync_wal()
+                stg.close()
+                if st.opens > 0:
+                    return      # (opened again meanwhile)
+        if self.inodes.states.get(ino) is st:  # (such a waiter may come second)
+            del self.inodes.states[ino]
+            await self.inodes.maybe_delete(ino)
+
+    async def flush(self, fh):
+        await self._flush(self.handles[fh])
+
+    async def _flush(self, of: OpenFile, any_handle: bool = False) -> None:
+        st = self.inodes.states.get(of.ino)
+        # A reader's close neither commits nor fails on a writer's staged bytes
+        # (say, left by a close that failed); fsync of any handle does commit.
+        if (of.writable or any_handle) and st is not None and st.staging is not None \
+                and st.staging.dirty:
+            async with st.lock:
+                await self.commit(of.ino, st)
+
+    async def fsync(self, fh, datasync):
+        of = self.handles[fh]
+        st = self.inodes.states.get(of.ino)
+        if st is not None and st.staging is not None and st.staging.dirty and self.journal_fsync:
+            async with st.lock:
+                stg = st.staging
+                if stg is not None and stg.dirty and not stg.unloaded \
+                        and (stg.journaled or stg.journal_pays()) \
+                        and not self._named_manifest(of.ino, st):
+                    # Durable, not committed: the staged bytes go to a journal file
+                    # (flushed), at the cost of what changed since the last fsync; the
+                    # close commits them. A manifest.json is committed (and checked) now.
+                    await trio.to_thread.run_sync(stg.journal, of.ino)
+        if not (st is not None and st.staging is not None and st.staging.journaled):
+            await self._flush(of, True)
+        await self.content.sync_pending()
+        await self.db.sync_wal()
+
+    def _named_manifest(self, ino: int, st: InodeState) -> bool:
+        return not st.plain and any(n == MANIFEST for _, n in ns.names_of(self.db.ro, ino))
+
+    async def replay_journals(self, paths: list[str]) -> None:
+        """At mount, before serving: commit the bytes that fsync() left in journal
+        files (``staging/fsynced-<inode>-…``) of a daemon that ended without
+        committing them (killed, or the machine went down)."""
+        for path in paths:
+            ino = journal_inode(os.path.basename(path))
+            node = None
+            try:
+                node = ns.get_inode(self.db.ro, ino) if ino is not None else None
+            except FsError:
+                pass
+            if ino is None or node is None or not stat.S_ISREG(node.mode) or not ns.names_of(self.db.ro, ino):
+                log.info("fsynced bytes of inode %s dropped: the file is gone (%s)", ino, path)
+                os.unlink(path)
+                continue
+            st = self.inodes.state(ino)
+            st.opens += 1
+            try:
+                st.staging = Staging.adopt(self.budget, path)
+                size = st.staging.size
+                st.writer_uid, st.writer_gid = node.uid, node.gid
+                async with st.lock:
+                    try:
+                        await self.commit(ino, st)
+                    except (FUSEError, StoreFull, StoreUnavailable) as e:
+                        why = os.strerror(e.errno) if isinstance(e, FUSEError) else str(e)
+                        log.warning("fsynced bytes of %s not committed (%s): %s kept for the next "
+                                    "mount", self.inodes.path_of(ino), why, path)
+                        if st.staging is not None:
+                            st.staging.path = None      # (the file stays)
+                            st.staging.close()
+                            st.staging = None
+                        continue
+                log.info("committed the fsynced bytes of %s (%d bytes) left by the previous run",
+                         self.inodes.path_of(ino), size)
+            finally:
+                st.opens -= 1
+                await self._drop_state_if_idle(ino)
+
+    async def release(self, fh):
+        of = self.handles.pop(fh)
+        st = self.inodes.states.get(of.ino)
+        if st is None:
+            return
+        st.opens -= 1
+        st.writers -= of.writable
+        await self._drop_state_if_idle(of.ino)
+
+    async def commit_all(self) -> None:
+        """Commit every staged change (at unmount)."""
+        for ino, st in list(self.inodes.states.items()):
+            if st.staging is not None and st.staging.dirty:
+                await self._commit_or_say(ino, st, "unmount")
+
+    async def _commit_or_say(self, ino: int, st: InodeState, when: str) -> None:
+        """Commit with no caller left to answer: a failure is one log line."""
+        async with st.lock:
+            try:
+                await self.commit(ino, st)
+            except FUSEError as e:
+                log.warning("%s %s: staged changes dropped (%s)", when, self.inodes.path_of(ino),
+                            os.strerror(e.errno))
+            except (StoreFull, StoreUnavailable) as e:
+                log.warning("%s %s: staged changes dropped (%s)", when, self.inodes.path_of(ino), e)

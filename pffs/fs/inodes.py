@@ -1,0 +1,137 @@
+"""What the daemon holds in memory about the namespace's inodes, on the trio
+thread only (code between two awaits is atomic with respect to other handlers):
+
+- ``lookups``: the kernel's lookup count per inode; an unlinked inode is
+  deleted when its count reaches zero and nothing has it open.
+- ``states``: per inode with open handles or staged writes: the staging
+  buffer, the committed block list, and a lock that orders writes and the
+  commit of that inode.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass, field
+
+import pyfuse3
+import trio
+
+from .. import namespace as ns
+from .db import Database
+from .staging import Staging
+
+log = logging.getLogger("pffs.fs")
+
+
+@dataclass
+class InodeState:
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    opens: int = 0
+    writers: int = 0                    # handles open for writing
+    staging: Staging | None = None
+    blocks: list[str] | None = None     # committed blob digests, by block number
+    size: int = 0                       # committed size (valid while blocks is not None)
+    writer_uid: int = 0
+    writer_gid: int = 0
+    # Created under a name other than manifest.json and given no other name
+    # since (rename and link clear it): a commit need not look up its names.
+    plain: bool = False
+    behind: dict[int, trio.Event] = field(default_factory=dict)   # write-behind jobs, by block
+
+
+class InodeTable:
+    """Lookup counts and open state of the namespace's inodes, and the rule
+    that deletes an unlinked inode once nothing holds it."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        self.lookups: dict[int, int] = {}
+        self.states: dict[int, InodeState] = {}
+        self._said_negative = False          # a forget found a lookup count going below 0
+
+    def looked_up(self, ino: int, n: int = 1) -> None:
+        self.lookups[ino] = self.lookups.get(ino, 0) + n
+
+    def forgot(self, ino: int, n: int) -> bool:
+        """The kernel dropped *n* lookups: whether it holds none now."""
+        left = self.lookups.get(ino, 0) - n
+        if left > 0:
+            self.lookups[ino] = left
+            return False
+        if left < 0 and not self._said_negative:
+            # Said once: a count pffs lost is a bug, and an unlinked inode may
+            # then go early.
+            self._said_negative = True
+            log.warning("forget of inode %d: the kernel forgot %d lookups, pffs counted %d",
+                        ino, n, self.lookups.get(ino, 0))
+        self.lookups.pop(ino, None)
+        return True
+
+    def in_use(self, ino: int) -> bool:
+        return ino in self.lookups or ino in self.states
+
+    def state(self, ino: int) -> InodeState:
+        st = self.states.get(ino)
+        if st is None:
+            st = self.states[ino] = InodeState()
+        return st
+
+    def dirty(self) -> set[int]:
+        """Inodes whose staged bytes are not committed."""
+        return {ino for ino, st in self.states.items() if st.staging is not None and st.staging.dirty}
+
+    def path_of(self, ino: int) -> str:
+        return ns.path_of(self.db.ro, ino)
+
+    async def maybe_delete(self, ino: int) -> None:
+        """Delete an unlinked inode once the kernel and every handle let go of it."""
+        if self.in_use(ino):
+            return
+        row = self.db.ro.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
+        if row is None or row[0] != 0:
+            return
+
+        def fn(conn):
+            # (In the writer: in_use reads loop state, which only the loop
+            # changes, and a lookup since the check above keeps the inode.)
+            row = conn.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
+            if row is not None and row[0] == 0 and not self.in_use(ino):
+                ns.delete_inode(conn, ino)
+        await self.db.write(fn)
+
+
+class Invalidator:
+    """Kernel cache invalidations, sent from a worker thread, never from a handler."""
+
+    def __init__(self, paths: InodeTable):
+        self._paths = paths
+        self._send, self._recv = trio.open_memory_channel(10000)
+
+    async def run(self) -> None:
+        async for ino, attr_only in self._recv:
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, attr_only)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENOTCONN):
+                    log.debug("invalidate inode %d: %s", ino, e)
+
+    def inode(self, ino: int, attr_only: bool) -> None:
+        """Have the kernel forget what it cached of *ino* (its attributes only, or its pages too)."""
+        try:
+            self._send.send_nowait((ino, attr_only))
+        except trio.WouldBlock:
+            log.debug("invalidation queue full, dropping inode %d", ino)
+
+    def announce(self, created) -> None:
+        """Tell the kernel about page files that appeared by themselves (forks).
+
+        The kernel never caches a negative entry from an ENOENT reply (it
+        revalidates it), so only the directories' attributes need invalidating.
+        """
+        dirs = {pdir for pdir, _n in created}
+        for d in dirs:
+            self.inode(d, True)
+        if created:
+            log.info("metadata-only fork: %d page files appeared in %s", sum(n for _d, n in created),
+                     ", ".join(self._paths.path_of(d) for d in dirs))

@@ -1,0 +1,212 @@
+"""Manifests and forks: what a file must hold to take the name manifest.json,
+and the forks made without a byte of a page crossing FUSE.
+
+A session's manifest.json is accepted (parsed and checked, pffs.manifest)
+before the name is given; accepting it gives its folder's ``pages/`` the
+page files it lists as a metadata-only fork (``namespace.fork_pages``).
+``pffs fork`` asks for such a fork with one setxattr on the new folder
+(FORK_XATTR), or has a live engine's bridge page a session out or in
+(SAVE_XATTR, LOAD_XATTR).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+
+import trio
+from pyfuse3 import FUSEError
+
+from .. import manifest as mf
+from .. import namespace as ns
+from ..namespace import FsError
+from .blobcache import BlobReader
+from .content import ContentStore
+from .db import Database
+from .files import Files
+from .inodes import InodeTable, Invalidator
+from .trees import reserved
+
+log = logging.getLogger("pffs.fs")
+
+MANIFEST = mf.MANIFEST_NAME.encode()
+# Write-only, on a session folder holding an empty pages/ (what `pffs fork`
+# makes): its value, a path from the mount's root to a valid manifest.json,
+# gives the folder a manifest.json holding the same blob, and the pages as a
+# metadata-only fork would.  No byte of the manifest crosses FUSE.
+FORK_XATTR = b"user.pffs.fork"
+# Write-only, on a live session folder engines/E/S: its value, the path of a
+# new session from the mount's root, has engine E page S out there itself.
+SAVE_XATTR = b"user.pffs.save"
+# Write-only, on an engine's folder engines/E: its value, JSON {"session":
+# path from the mount's root, "name": a session name}, has E page that
+# session in itself.
+LOAD_XATTR = b"user.pffs.load"
+
+
+def _may(node: ns.Inode, ctx, bit: int) -> bool:
+    """Whether the caller of *ctx* has permission *bit* (4 read, 1 search) on *node*."""
+    if ctx.uid == 0:
+        return True
+    if ctx.uid == node.uid:
+        return bool(node.mode & (bit << 6))
+    if ctx.gid == node.gid:
+        return bool(node.mode & (bit << 3))
+    return bool(node.mode & bit)
+
+
+class Manifests:
+    def __init__(self, db: Database, content: ContentStore, inodes: InodeTable, files: Files,
+                 reader: BlobReader, invalidate: Invalidator, live=None):
+        self.db = db
+        self.content = content
+        self.inodes = inodes
+        self.files = files
+        self.reader = reader
+        self.invalidate = invalidate
+        self.live = live     # pffs.live.view.LiveView while the daemon serves engines/
+
+    async def validate_existing(self, ino: int, new_parent: int, op: str):
+        """Validate the content of *ino* before it takes the name manifest.json."""
+        node = ns.get_inode(self.db.ro, ino)
+        if not node.is_reg:
+            return None
+        st = self.inodes.states.get(ino)
+        if st is not None and st.staging is not None and st.staging.dirty:
+            async with st.lock:
+                await self.files.commit(ino, st, check_manifest=False)
+            node = ns.get_inode(self.db.ro, ino)
+        blocks = ns.blocks_of(self.db.ro, ino)
+        where = f"{self.inodes.path_of(new_parent).rstrip('/')}/manifest.json"
+        if node.size > mf.MAX_MANIFEST_BYTES:
+            log.warning("%s %s: refused manifest: %d bytes exceed the %d-byte cap", op, where,
+                        node.size, mf.MAX_MANIFEST_BYTES)
+            raise FUSEError(errno.EINVAL)
+        try:
+            data = b"".join([await self.reader.blob(d, ino) for d in blocks])
+            m = await trio.to_thread.run_sync(mf.parse, data, limiter=self.content.limiter)
+            if self.content.adopt is not None:
+                await trio.to_thread.run_sync(self.content.adopt, m.pages, limiter=self.content.limiter)
+        except mf.ManifestError as e:
+            log.warning("%s %s: refused manifest: %s", op, where, e)
+            raise FUSEError(errno.EINVAL) from None
+        return (node.digest, m.pages)
+
+    def take_name(self, conn, ino, checked, parent, uid, gid):
+        digest, pages = checked
+        if ns.get_inode(conn, ino).digest != digest:
+            raise FsError(errno.EAGAIN, "manifest changed while it was being validated")
+        ns.record_manifest(conn, ino, pages, digest)
+        return ns.fork_pages(conn, parent, digest, uid, gid)
+
+    def resolve_readable(self, path: bytes, ctx, folder: bool = False) -> int:
+        """The inode at *path* (from the mount's root) that the caller may read:
+        search permission on every folder on the way, read permission on the
+        file, as the kernel would check them (the caller's supplementary
+        groups are not known here: they do not count).  With *folder*, a
+        folder the caller may search."""
+        ino: int = ns.ROOT_INODE
+        for name in (n for n in path.split(b"/") if n and n != b"."):
+            node = ns.get_inode(self.db.ro, ino)
+            if not node.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not _may(node, ctx, 1):
+                raise FsError(errno.EACCES)
+            if name == b".." or reserved(ino, name):
+                raise FsError(errno.EINVAL)
+            found = ns.lookup(self.db.ro, ino, name)
+            if found is None:
+                raise FsError(errno.ENOENT)
+            ino = found
+        node = ns.get_inode(self.db.ro, ino)
+        if folder:
+            if not node.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not _may(node, ctx, 1):
+                raise FsError(errno.EACCES)
+            return ino
+        if not node.is_reg:
+            raise FsError(errno.EINVAL)
+        if not _may(node, ctx, 4):
+            raise FsError(errno.EACCES)
+        return ino
+
+    async def fork_into(self, folder: int, value: bytes, ctx) -> None:
+        """``setxattr(folder, user.pffs.fork, path)``: see FORK_XATTR.
+
+        EINVAL when *path* is not a manifest.json accepted as valid (the
+        caller then copies its bytes, whose close says why), EEXIST when the
+        folder has a manifest.json, EOPNOTSUPP on an S3 store (whose forks
+        adopt pages from the bucket as the manifest's close does).
+        """
+        if self.content.remote:
+            raise FUSEError(errno.EOPNOTSUPP)
+        src = self.resolve_readable(value, ctx)
+        st = self.inodes.states.get(src)
+        if st is not None and st.staging is not None and st.staging.dirty:
+            async with st.lock:
+                await self.files.commit(src, st)
+        uid, gid = ctx.uid, ctx.gid
+
+        def fn(conn):
+            row = conn.execute("SELECT n_pages, digest FROM manifests WHERE inode=?", (src,)).fetchone()
+            node = ns.get_inode(conn, src)
+            if row is None or node.digest != row[1]:
+                raise FsError(errno.EINVAL, "not an accepted manifest")
+            n_pages, digest = row
+            blocks = ns.blocks_of(conn, src)
+            new = ns.make_inode(conn, folder, MANIFEST, stat.S_IFREG | 0o644, uid, gid)
+            ns.set_content(conn, new.id, node.size, digest, blocks, [], None, new.ctime_ns,
+                           was_empty=True)
+            if not ns.record_known_manifest(conn, new.id, digest, n_pages):
+                raise FsError(errno.EINVAL, "its page list is not recorded whole")
+            return ns.fork_pages(conn, folder, digest, uid, gid)
+
+        created = await self.db.write(fn)
+        self.invalidate.inode(folder, True)
+        self.invalidate.announce(created)
+
+    def resolve_new(self, path: bytes, ctx) -> int:
+        """The folder that will hold a new entry at *path* (from the mount's root),
+        which the caller may search and write, as the kernel would check."""
+        parts = [n for n in path.split(b"/") if n and n != b"."]
+        if not parts:
+            raise FsError(errno.EINVAL)
+        ns.check_name(parts[-1])
+        parent = self.resolve_readable(b"/".join(parts[:-1]), ctx, folder=True)
+        node = ns.get_inode(self.db.ro, parent)
+        if not (_may(node, ctx, 2) and _may(node, ctx, 1)):
+            raise FsError(errno.EACCES)
+        if reserved(parent, parts[-1]):
+            raise FsError(errno.EINVAL)
+        if ns.lookup(self.db.ro, parent, parts[-1]) is not None:
+            raise FsError(errno.EEXIST)
+        return parent
+
+    async def live_fork(self, inode: int, name: bytes, value: bytes, ctx) -> None:
+        """``pffs fork`` out of or into ``engines/``: the engine's bridge moves the
+        bytes itself (the direct path where its process may use the store).
+
+        SAVE_XATTR on ``engines/E/S``, value a new session's path from the
+        mount's root; LOAD_XATTR on ``engines/E``, value JSON ``{"session":
+        path, "name": name}``.  The caller's permissions are checked as for
+        writing, or reading, those paths.
+        """
+        live = self.live
+        if name == SAVE_XATTR:
+            parent = self.resolve_new(value, ctx)
+            where = "/" + os.fsdecode(value).strip("/")
+            await live.save(inode, live.reg.mountpoint + where, where)
+            self.invalidate.inode(parent, True)
+            return
+        try:
+            spec = json.loads(value)
+            src, target = os.fsencode(spec["session"]), str(spec["name"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise FUSEError(errno.EINVAL) from None
+        self.resolve_readable(src.rstrip(b"/") + b"/" + MANIFEST, ctx)
+        where = "/" + os.fsdecode(src).strip("/")
+        await live.load(inode, target, live.reg.mountpoint + where, where, ctx)
