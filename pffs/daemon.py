@@ -18,9 +18,10 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pyfuse3
 import trio
@@ -28,7 +29,7 @@ import trio
 from . import namespace
 from .errors import PffsError
 from .fs.staging import journal_inode
-from .store.local import LocalBlobStore
+from .store.local import LocalBlobStore, PutBatch
 from .storedir import StoreDir
 
 if TYPE_CHECKING:
@@ -157,12 +158,32 @@ def _abandoned_reply(record: logging.LogRecord) -> bool:
     return True
 
 
+T = TypeVar("T")
+
+
+class Made(Generic[T]):
+    """A part of the daemon that prepare() makes: read before then, it refuses
+    (the value lives in ``_<name>``, None until set)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: object, owner: type | None = None) -> T:
+        value = getattr(obj, self.attr, None)
+        if value is None:
+            raise RuntimeError(f"the daemon is not prepared: no {self.attr[1:]}")
+        return value
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(obj, self.attr, value)
+
+
 class Daemon:
     def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions):
         self.store = store
         self.mountpoint = mountpoint
         self.opts = opts
-        # Made by prepare(): until then None, and their properties refuse.
+        # Made by prepare() (see Made): until then None.
         self._ops: Handlers | None = None
         self._db: Database | None = None
         self._live: LiveEngines | None = None     # the engine socket (engines/ is ops')
@@ -170,42 +191,10 @@ class Daemon:
         self.remote: RemoteMount | None = None    # of an S3 store
         self.journals: list[str] = []
 
-    def _made(self, part):
-        if part is None:
-            raise RuntimeError("the daemon is not prepared")
-        return part
-
-    @property
-    def ops(self) -> Handlers:
-        return self._made(self._ops)
-
-    @ops.setter
-    def ops(self, value: Handlers) -> None:
-        self._ops = value
-
-    @property
-    def db(self) -> Database:
-        return self._made(self._db)
-
-    @db.setter
-    def db(self, value: Database) -> None:
-        self._db = value
-
-    @property
-    def live(self) -> LiveEngines:
-        return self._made(self._live)
-
-    @live.setter
-    def live(self, value: LiveEngines) -> None:
-        self._live = value
-
-    @property
-    def reserve(self) -> SpaceReserve:
-        return self._made(self._reserve)
-
-    @reserve.setter
-    def reserve(self, value: SpaceReserve) -> None:
-        self._reserve = value
+    ops: Made[Handlers] = Made()
+    db: Made[Database] = Made()
+    live: Made[LiveEngines] = Made()
+    reserve: Made[SpaceReserve] = Made()
 
     def prepare(self) -> None:
         from .fs import direct
@@ -244,29 +233,39 @@ class Daemon:
         if self.opts.reserve > 0:
             st.blobs.reserve = self.reserve
             self.db.on_full = self.reserve.release
-        content = ContentStore(st.blobs, st.staging_dir, max_size=self.opts.max_size,
-                               sync_on_close=self.opts.sync == "close" or st.url is not None,
-                               stored_bytes=stored, gc_lock=st.gc_lock, recount=self.recount,
-                               accepted=self.accepted_manifest, accepted_pages=self.accepted_pages)
-        if isinstance(st.blobs, LocalBlobStore):
+        sync_on_close = self.opts.sync == "close" or st.url is not None
+        pending = PutBatch()
+        threads = None
+        cache_size = self.opts.cache_size
+        if st.url is not None:
+            from .lease import MEMORY_CACHE_MAX, attach
+            # The registration in the bucket, before a request is served.
+            self.remote = attach(st, self.opts, self.db)
+            adopt: Callable[[Sequence[str]], Any] | None = self.remote.adopt
+            # A close mostly waits on the network: as many at once as there are
+            # upload threads (the CPU work in them is small).
+            threads = max(2, os.cpu_count() or 2, self.remote.blobs.threads)
+            cache_size = min(cache_size, MEMORY_CACHE_MAX)
+        else:
+            assert isinstance(st.blobs, LocalBlobStore)     # (a store without a URL is a folder)
             # Pages an engine's bridge put beside the mount (pffs.fs.direct).
-            content.adopt = direct.LocalAdopter(
-                self.db, st.blobs, pending=None if content.sync_on_close else content.pending,
-                on_stored=self._stored)
+            adopt = direct.LocalAdopter(self.db, st.blobs, pending=None if sync_on_close else pending,
+                                        on_stored=self._stored)
+        content = ContentStore(st.blobs, st.staging_dir, threads=threads, max_size=self.opts.max_size,
+                               sync_on_close=sync_on_close, pending=pending, stored_bytes=stored,
+                               gc_lock=st.gc_lock, recount=self.recount, adopt=adopt,
+                               accepted=self.accepted_manifest, accepted_pages=self.accepted_pages)
         from .live.engines import Registry
         from .live.server import LiveEngines
         from .live.view import LiveView
         registry = Registry(mountpoint=str(self.mountpoint))
         self.live = LiveEngines(st.socket_path, registry)
         self.live.listen()
-        self.ops = build(self.db, content, cache_size=self.opts.cache_size,
+        self.ops = build(self.db, content, cache_size=cache_size,
                          staging_memory=self.opts.staging_memory, journal_fsync=st.url is None,
                          live=LiveView(registry), socket_path=str(st.socket_path),
                          store_root=str(st.root),
                          store_json=direct.store_json(direct.store_info(st, self.opts)))
-        if st.url is not None:
-            from .remote import attach
-            self.remote = attach(self)
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {f"fsname=pffs:{st.root}", "subtype=pffs", "default_permissions"}
         if self.opts.allow_other:

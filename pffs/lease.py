@@ -21,6 +21,7 @@ import socket
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import zstandard
@@ -172,7 +173,7 @@ class RemoteMount:
             conn = self._local.conn = ns.connect(self.db.path, readonly=True)
         return conn.execute("SELECT 1 FROM blobs WHERE digest=?", (digest,)).fetchone() is not None
 
-    def adopt(self, pages: list[str]) -> int:
+    def adopt(self, pages: Sequence[str]) -> int:
         """Give the pages a manifest lists that the namespace lacks a blob row each, if the bucket has them.
 
         Runs in a content thread, before the transaction that forks them.
@@ -233,25 +234,19 @@ def _update_blob_rows(conn: sqlite3.Connection, new: list[ns.BlobRow], gone: lis
                      " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)", (d, d, d))
 
 
-def attach(daemon) -> RemoteMount:
-    """Set up a daemon of an S3 store: cache sizes, adoption, the registration."""
+def attach(st, opts, db) -> RemoteMount:
+    """The registration of a mount of S3 store *st* (a StoreDir) with mount
+    options *opts*, over the mount's namespace *db*: started, with the
+    store's frame cache sized."""
     from .gc import parse_duration
-    st, opts = daemon.store, daemon.opts
     logging.getLogger("botocore").setLevel(logging.WARNING)  # credentials and endpoint notes each start
     blobs: S3BlobStore = st.blobs
     blobs.set_cache_limit(opts.cache_size)
-    daemon.ops.cache.limit = min(daemon.ops.cache.limit, MEMORY_CACHE_MAX)
-    # A close of an S3 store mostly waits on the network: let as many closes
-    # run at once as there are upload threads (the CPU work in them is small).
-    content = daemon.ops.content
-    content.set_width(max(content.width, blobs.threads))
     lease = parse_duration(opts.remote["lease"]) if opts.remote.get("lease") else DEFAULT_LEASE
     if lease < 1:
         raise PffsError("lease must be at least 1s")
-    rm = RemoteMount(st.root, blobs, daemon.db, lease)
+    rm = RemoteMount(st.root, blobs, db, lease)
     rm.start()
-    daemon.ops.content.adopt = rm.adopt
-    daemon.ops.content.remote = True
     blobs.likely_stored = rm.known
     log.info("blobs in %s (cache %s, up to %d bytes); registered as %s, lease %.0f s",
              blobs.url, st.root, blobs.cache.limit, rm.key, lease)

@@ -94,8 +94,9 @@ class BlockBudget:
 class ContentStore:
     def __init__(self, blobs: BlobStore, staging_dir: str | os.PathLike, *,
                  threads: int | None = None, max_size: int | None = None,
-                 sync_on_close: bool = False, stored_bytes: int = 0,
+                 sync_on_close: bool = False, pending: PutBatch | None = None, stored_bytes: int = 0,
                  gc_lock: GcLock | None = None, recount: Callable[[], int] | None = None,
+                 adopt: Callable[[Sequence[str]], Any] | None = None,
                  accepted: Callable[[str], int | None] | None = None,
                  accepted_pages: Callable[[str], list[str] | None] | None = None):
         self.blobs = blobs
@@ -117,7 +118,7 @@ class ContentStore:
         # namespace commit.  Otherwise blobs join ``pending`` and the daemon's
         # syncer (or a user's fsync) makes them durable in groups.
         self.sync_on_close = sync_on_close
-        self.pending = PutBatch()
+        self.pending = pending if pending is not None else PutBatch()
         # The store's gc lock, held shared from a blob's existence check to the
         # commit naming it (see pffs.gc), and a recount of stored bytes from the
         # namespace (gc frees behind our back).
@@ -128,15 +129,13 @@ class ContentStore:
         # its pages, or None.
         self.accepted = accepted
         self.accepted_pages = accepted_pages
-        # Set by the daemon once the store's adopter exists: adopt(pages) gives the page digests a manifest
-        # lists that the namespace does not know yet a blob row each when the
-        # store holds them (a local store: blob files an engine's bridge put
-        # beside the mount, pffs.fs.direct; an S3 store: the bucket's,
-        # pffs.remote), so that forks find them.
-        self.adopt: Callable[[Sequence[str]], Any] | None = None
-        # Blobs in a bucket (pffs.remote): a fork's pages are adopted from it
-        # at the manifest's close, even for bytes accepted before.
-        self.remote = False
+        # adopt(pages) gives the page digests a manifest lists that the
+        # namespace does not know yet a blob row each when the store holds them
+        # (a local store: blob files an engine's bridge put beside the mount,
+        # pffs.fs.direct; an S3 store: the bucket's, pffs.lease), so that forks
+        # find them.  From a bucket (``blobs.remote``) a fork's pages are
+        # adopted at the manifest's close even for bytes accepted before.
+        self.adopt = adopt
         self.block_budget = BlockBudget(BLOCK_SIZE)
 
     async def sync_pending(self) -> None:
@@ -165,7 +164,7 @@ class ContentStore:
                 return stored, None
             m = stored.manifest
             if m is not None and self.adopt is not None \
-                    and (self.remote or not isinstance(m, AcceptedManifest)):
+                    and (self.blobs.remote or not isinstance(m, AcceptedManifest)):
                 # (Bytes accepted before on a local store: their pages were adopted then.)
                 self.adopt(m.pages)
             return stored, then(stored)

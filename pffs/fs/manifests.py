@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import stat
+from dataclasses import dataclass
+from typing import Any
 
 import trio
 from pyfuse3 import FUSEError
@@ -58,16 +60,15 @@ def _may(node: ns.Inode, ctx, bit: int) -> bool:
     return bool(node.mode & bit)
 
 
+@dataclass
 class Manifests:
-    def __init__(self, db: Database, content: ContentStore, inodes: InodeTable, files: Files,
-                 reader: BlobReader, invalidate: Invalidator, live=None):
-        self.db = db
-        self.content = content
-        self.inodes = inodes
-        self.files = files
-        self.reader = reader
-        self.invalidate = invalidate
-        self.live = live     # pffs.live.view.LiveView while the daemon serves engines/
+    db: Database
+    content: ContentStore
+    inodes: InodeTable
+    files: Files
+    reader: BlobReader
+    invalidate: Invalidator
+    live: Any = None     # pffs.live.view.LiveView while the daemon serves engines/
 
     async def validate_existing(self, ino: int, new_parent: int, op: str):
         """Validate the content of *ino* before it takes the name manifest.json."""
@@ -142,7 +143,7 @@ class Manifests:
         folder has a manifest.json, EOPNOTSUPP on an S3 store (whose forks
         adopt pages from the bucket as the manifest's close does).
         """
-        if self.content.remote:
+        if self.content.blobs.remote:
             raise FUSEError(errno.EOPNOTSUPP)
         src = self.resolve_readable(value, ctx)
         st = self.inodes.states.get(src)

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import pyfuse3
 from pyfuse3 import FUSEError
@@ -265,23 +266,30 @@ class Operations(pyfuse3.Operations):
         await self._by_inode(inode).removexattr(inode, name, ctx)
 
 
+@dataclass
 class Handlers:
     """The parts ``build`` made, for the daemon (and handler-level tests)."""
 
-    def __init__(self, ops: Operations, inodes: InodeTable, files: Files, prefetch: Prefetch,
-                 reader: BlobReader, invalidate: Invalidator, manifests: Manifests,
-                 pffs: PffsTree):
-        self.ops = ops
-        self.inodes = inodes
-        self.files = files
-        self.prefetch = prefetch
-        self.reader = reader
-        self.invalidate = invalidate
-        self.manifests = manifests
-        self.pffs = pffs
-        self.db = ops.namespace.db
-        self.content = ops.namespace.content
-        self.cache = reader.cache
+    ops: Operations
+    inodes: InodeTable
+    files: Files
+    prefetch: Prefetch
+    reader: BlobReader
+    invalidate: Invalidator
+    manifests: Manifests
+    pffs: PffsTree
+
+    @property
+    def db(self) -> Database:
+        return self.files.db
+
+    @property
+    def content(self) -> ContentStore:
+        return self.files.content
+
+    @property
+    def cache(self) -> BlobCache:
+        return self.reader.cache
 
     def stop(self) -> None:
         self.prefetch.stop()

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import stat
+from dataclasses import dataclass
 
 import pyfuse3
 import trio
@@ -21,6 +22,7 @@ from pyfuse3 import FUSEError
 
 from .. import namespace as ns
 from ..namespace import FsError
+from .blobcache import BlobReader
 from .content import ContentStore
 from .db import Database
 from .direct import PAGES_XATTR, STORE_XATTR, page_verdict
@@ -51,20 +53,21 @@ def xattr_ns_ok(name: bytes) -> None:
         raise FUSEError(errno.ERANGE)
 
 
+@dataclass(eq=False)
 class NamespaceTree(Tree):
-    def __init__(self, db: Database, content: ContentStore, inodes: InodeTable, files: Files,
-                 manifests: Manifests, prefetch: Prefetch, invalidate: Invalidator,
-                 store_json: bytes = b"{}\n"):
-        self.db = db
-        self.content = content
-        self.inodes = inodes
-        self.files = files
-        self.manifests = manifests
-        self.prefetch = prefetch
-        self.reader = files.reader
-        self.invalidate = invalidate
-        #: .pffs/store.json's bytes, also the root's STORE_XATTR (pffs.fs.direct)
-        self.store_json = store_json
+    db: Database
+    content: ContentStore
+    inodes: InodeTable
+    files: Files
+    manifests: Manifests
+    prefetch: Prefetch
+    invalidate: Invalidator
+    #: .pffs/store.json's bytes, also the root's STORE_XATTR (pffs.fs.direct)
+    store_json: bytes = b"{}\n"
+
+    @property
+    def reader(self) -> BlobReader:
+        return self.files.reader
 
     def path_of(self, ino: int) -> str:
         return self.inodes.path_of(ino)
@@ -212,16 +215,16 @@ class NamespaceTree(Tree):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), attr
 
     async def unlink(self, parent, name, ctx):
-        if reserved(parent, name):
-            raise FUSEError(errno.EPERM)
-        ino, deleted = await self.db.write(ns.unlink, parent, name, self.inodes.in_use)
-        if not deleted:
-            await self.inodes.maybe_delete(ino)
+        await self._remove(ns.unlink, parent, name)
 
     async def rmdir(self, parent, name, ctx):
+        await self._remove(ns.rmdir, parent, name)
+
+    async def _remove(self, remove, parent: int, name: bytes) -> None:
+        """A name gone (``ns.unlink`` or ``ns.rmdir``): its inode with it unless held."""
         if reserved(parent, name):
             raise FUSEError(errno.EPERM)
-        ino, deleted = await self.db.write(ns.rmdir, parent, name, self.inodes.in_use)
+        ino, deleted = await self.db.write(remove, parent, name, self.inodes.in_use)
         if not deleted:
             await self.inodes.maybe_delete(ino)
 
