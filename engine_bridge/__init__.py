@@ -19,34 +19,11 @@ filesystem.  Layout of the package:
 from .allocator import RefCountingAllocator
 from .bridge import SUPPORTED_LAYOUTS, Bridge, PageInResult, SeqBlocks, config_sha256
 from .direct import DirectSink, DirectSource, as_sink, as_source, store_access
-from .errors import (
-    BridgeError,
-    DamagedPage,
-    DigestMismatch,
-    IncompleteSession,
-    InvalidSession,
-    MismatchError,
-    ModelMismatch,
-    NoFreeBlocks,
-    PageError,
-    PageInError,
-    PageOutError,
-    Refused,
-    SourceChanged,
-    WrongSizePage,
-)
-from .pool import (
-    DEFAULT_KV,
-    FLASH_ATTN,
-    FLASHINFER,
-    FLASHINFER_HND,
-    LAYOUTS,
-    BlockAllocator,
-    BlockId,
-    KVLayout,
-    KVPool,
-    dtype_name,
-)
+from .errors import (BridgeError, DamagedPage, DigestMismatch, IncompleteSession, InvalidSession,
+                     MismatchError, ModelMismatch, NoFreeBlocks, PageError, PageInError,
+                     PageOutError, Refused, SourceChanged, WrongSizePage)
+from .pool import (DEFAULT_KV, FLASH_ATTN, FLASHINFER, FLASHINFER_HND, LAYOUTS, BlockAllocator,
+                   BlockId, KVLayout, KVPool, dtype_name)
 from .sessions import DIGEST_XATTR, DirSink, DirSource, MemorySession, SessionSink, SessionSource
 from .staging import DEFAULT_STAGING_BYTES, Staging
 
