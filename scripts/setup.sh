@@ -8,7 +8,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 need=()
-for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc; do
+for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc patch; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -34,4 +34,22 @@ if ! .venv/bin/python -c "import pffs, pyfuse3, pytest, hypothesis, safetensors"
     .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" \
         --config-settings editable_mode=compat
     touch .venv/.pffs-installed
+fi
+# pyfuse3 built from its source with the patch in third_party/pyfuse3 (its
+# README says what and why); the wheel is kept in .venv for the next set-up.
+PYFUSE3=3.5.0
+if ! .venv/bin/python -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3.Operations, 'copy_file_range'))" 2>/dev/null; then
+    wheels=.venv/pffs-wheels
+    if ! ls "$wheels"/pyfuse3-$PYFUSE3-*.whl >/dev/null 2>&1; then
+        build=$(mktemp -d)
+        .venv/bin/pip download -q --disable-pip-version-check --no-deps --no-binary pyfuse3 \
+            "pyfuse3==$PYFUSE3" -d "$build"
+        tar xzf "$build/pyfuse3-$PYFUSE3.tar.gz" -C "$build"
+        patch -s -p1 -d "$build/pyfuse3-$PYFUSE3" < "third_party/pyfuse3/pyfuse3-$PYFUSE3-pffs.patch"
+        rm -f "$build/pyfuse3-$PYFUSE3/src/pyfuse3/__init__.c"     # (made again from the patched .pyx)
+        mkdir -p "$wheels"
+        .venv/bin/pip wheel -q --disable-pip-version-check --no-deps "$build/pyfuse3-$PYFUSE3" -w "$wheels"
+        rm -rf "$build"
+    fi
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/pyfuse3-$PYFUSE3-*.whl
 fi

@@ -24,7 +24,7 @@ from ..namespace import FsError
 from .blobcache import BlobCache, BlobReader
 from .content import ContentStore
 from .db import Database
-from .files import Files
+from .files import NOFLUSH, Files
 from .inodes import InodeTable, Invalidator
 from .manifests import Manifests
 from .prefetch import Prefetch
@@ -46,6 +46,9 @@ from .virtual import EnginesTree, PffsTree
 
 log = logging.getLogger("pffs.fs")
 
+# pyfuse3 built with third_party/pyfuse3's patch answers copy_file_range
+# (PFFS_STOCK_PYFUSE3=1: as if it were not).
+COPY_RANGE = hasattr(pyfuse3.Operations, "copy_file_range") and not os.environ.get("PFFS_STOCK_PYFUSE3")
 # PFFS_TIMING=1: count and time every handler; the daemon logs the totals at unmount.
 TIMING: dict[str, tuple[int, float]] | None = {} if os.environ.get("PFFS_TIMING") else None
 
@@ -208,6 +211,16 @@ class Operations(pyfuse3.Operations):
         await self._by_fh(fh).flush(fh)
 
     @handler
+    async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags):
+        # (Only pyfuse3 built with third_party/pyfuse3's patch sends it.)
+        if not COPY_RANGE:
+            raise FUSEError(errno.ENOSYS)     # the kernel copies from now on
+        tree = self._by_fh(fh_in)
+        if tree is not self._by_fh(fh_out):
+            raise FUSEError(errno.EOPNOTSUPP)  # between two trees: the kernel copies
+        return await tree.copy_file_range(fh_in, off_in, fh_out, off_out, length, flags)
+
+    @handler
     async def fsync(self, fh, datasync):
         await self._by_fh(fh).fsync(fh, datasync)
 
@@ -300,6 +313,10 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
           socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n") -> Handlers:
     """The handlers of a mount of *db* and *content*; *live*, a
     pffs.live.view.LiveView, serves ``engines/``."""
+    if not (COPY_RANGE and NOFLUSH):
+        log.info("pyfuse3 %s without third_party/pyfuse3's patch: copies within the mount move "
+                 "their bytes (no copy_file_range), and a reader's close costs a FLUSH request",
+                 getattr(pyfuse3, "__version__", "?"))
     inodes = InodeTable(db)
     reader = BlobReader(content, BlobCache(cache_size), inodes.path_of)
     prefetch = Prefetch(db, reader)
@@ -308,7 +325,7 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
                   staging_memory=staging_memory, journal_fsync=journal_fsync)
     manifests = Manifests(db, content, inodes, files, reader, invalidate, live=live)
     requests: dict[str, int] = {}
-    pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json)
+    pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json, files.copies)
     trees: dict[str, Tree] = {
         NAMESPACE: NamespaceTree(db, content, inodes, files, manifests, prefetch, invalidate,
                                  store_json),

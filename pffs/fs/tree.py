@@ -299,6 +299,11 @@ class NamespaceTree(Tree):
     async def flush(self, fh):
         await self.files.flush(fh)
 
+    async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags):
+        if flags:
+            raise FUSEError(errno.EINVAL)
+        return await self.files.copy_range(fh_in, off_in, fh_out, off_out, length)
+
     async def fsync(self, fh, datasync):
         await self.files.fsync(fh, datasync)
 

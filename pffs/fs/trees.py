@@ -117,6 +117,10 @@ class Tree:
     async def flush(self, fh) -> None:
         pass
 
+    async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags) -> int:
+        """(EOPNOTSUPP: the kernel copies the bytes itself, through read and write.)"""
+        raise FUSEError(errno.EOPNOTSUPP)
+
     async def fsync(self, fh, datasync) -> None:
         pass
 

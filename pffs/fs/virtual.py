@@ -24,6 +24,7 @@ from .. import __version__
 from .. import namespace as ns
 from .blobcache import BlobReader
 from .db import Database
+from .files import NOFLUSH
 from .manifests import LOAD_XATTR, SAVE_XATTR
 from .trees import ROOT, VIRT_BASE, Tree
 
@@ -39,10 +40,12 @@ _FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK, b"sto
 
 class PffsTree(Tree):
     def __init__(self, db: Database, reader: BlobReader, requests: dict[str, int],
-                 socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n"):
+                 socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n",
+                 copies: dict[str, int] | None = None):
         self.db = db
         self.reader = reader
         self.requests = requests             # FUSE requests served, by handler
+        self.copies = copies if copies is not None else {}   # (pffs.fs.files.Files.copies)
         self.store_root = store_root
         self.socket_path = socket_path.encode()
         self.store_json = store_json         # (pffs.fs.direct.store_info)
@@ -79,6 +82,7 @@ class PffsTree(Tree):
             figures["cache"] = {"bytes": cache.used, "hits": cache.hits, "misses": cache.misses,
                                 "fetched_by_reads": self.reader.fetched_by_reads}
             figures["requests"] = dict(sorted(self.requests.items()))
+            figures["copies"] = dict(self.copies)
             return (json.dumps(figures, indent=2) + "\n").encode()
         if ino == STORE:
             return self.store_json
@@ -121,6 +125,8 @@ class PffsTree(Tree):
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = self._content(inode)
+        if NOFLUSH:
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, noflush=True)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     async def read(self, fh, off, size):

@@ -1,0 +1,142 @@
+"""Copies within the mount (copy_file_range) and a reader's close (FOPEN_NOFLUSH),
+with pyfuse3 built from third_party/pyfuse3, and the same copies with the
+features off."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+
+import pyfuse3
+import pytest
+
+from sessions import varied_pages, write_session
+
+PATCHED = hasattr(pyfuse3.Operations, "copy_file_range") and hasattr(pyfuse3.FileInfo(), "noflush")
+needs_patch = pytest.mark.skipif(not PATCHED, reason="pyfuse3 without third_party/pyfuse3's patch")
+
+
+def stats(mnt) -> dict:
+    return json.loads((mnt / ".pffs" / "stats.json").read_text())
+
+
+def run(*cmd, cwd=None) -> str:
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert r.returncode == 0, f"{cmd} exited {r.returncode}: {r.stderr}"
+    return r.stdout
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_the_setup_builds_the_patched_pyfuse3():
+    """(scripts/setup.sh builds it: every test below runs with the features on.)"""
+    assert PATCHED
+
+
+@needs_patch
+def test_cp_r_of_a_session_within_the_mount_shares_its_blobs(mnt, bf16_pages, tmp_path):
+    """cp -r a b: every file is one copy_file_range, no page byte is read or
+    written through FUSE, no blob byte is stored, and b checks clean."""
+    pages = varied_pages(bf16_pages, 24)
+    write_session(mnt / "a", pages)
+    big = os.urandom(1 << 20) * 70            # a file of two blocks
+    (mnt / "a" / "notes.bin").write_bytes(big)
+    before = stats(mnt)
+    run("cp", "-r", mnt / "a", mnt / "b")
+    after = stats(mnt)
+    req = {k: after["requests"].get(k, 0) - before["requests"].get(k, 0) for k in after["requests"]}
+    assert after["stored_bytes"] == before["stored_bytes"]
+    assert req.get("copy_file_range", 0) >= 26       # 24 pages, notes.bin, manifest.json
+    assert req.get("write", 0) == 0
+    manifest = os.stat(mnt / "a" / "manifest.json").st_size
+    copied = {k: after["copies"][k] - before["copies"][k] for k in after["copies"]}
+    # (manifest.json's bytes are copied: a manifest is checked as it takes its name)
+    assert copied == {"shared_bytes": sum(map(len, pages)) + len(big), "copied_bytes": manifest}
+    assert after["sessions"] == 2
+    sums = run("sha256sum", *sorted(os.listdir(mnt / "a" / "pages")), cwd=mnt / "a" / "pages")
+    (tmp_path / "sums").write_text(sums)
+    run("sha256sum", "-c", "--quiet", tmp_path / "sums", cwd=mnt / "b" / "pages")
+    assert sha(mnt / "b" / "notes.bin") == hashlib.sha256(big).hexdigest()
+    assert (mnt / "b" / "manifest.json").read_bytes() == (mnt / "a" / "manifest.json").read_bytes()
+    assert os.stat(mnt / "b" / "notes.bin").st_size == len(big)
+
+
+@needs_patch
+def test_copy_file_range_of_parts_and_of_files_being_written(mnt):
+    """Ranges that are not a whole file, a source still being written, a target
+    that is not empty: the bytes a copy would give, and the counts."""
+    data = os.urandom(3 << 20)
+    (mnt / "src").write_bytes(data)
+    want = bytearray(os.urandom(1 << 20))
+    (mnt / "dst").write_bytes(bytes(want))
+    with open(mnt / "src", "rb") as s, open(mnt / "dst", "r+b") as d:
+        n = os.copy_file_range(s.fileno(), d.fileno(), 500_000, 123_456, 4096)
+        assert n == 500_000
+        want[4096:4096 + n] = data[123_456:123_456 + n]
+        n = os.copy_file_range(s.fileno(), d.fileno(), 10 << 20, (3 << 20) - 1000, 2 << 20)
+        assert n == 1000                         # (up to the source's end)
+        want.extend(bytes((2 << 20) - len(want)))
+        want[2 << 20:] = data[-1000:]
+        assert os.copy_file_range(s.fileno(), d.fileno(), 100, 3 << 20, 0) == 0   # at its end
+    assert (mnt / "dst").read_bytes() == bytes(want)
+    with open(mnt / "growing", "wb") as w:                 # staged, not committed yet
+        w.write(b"x" * 100_000)
+        w.flush()
+        with open(mnt / "growing", "rb") as s, open(mnt / "copy", "wb") as d:
+            assert os.copy_file_range(s.fileno(), d.fileno(), 1 << 20, 0, 0) == 100_000
+    assert (mnt / "copy").read_bytes() == b"x" * 100_000
+    with open(mnt / "src", "rb") as s, open(mnt / "dst", "wb") as d:   # O_TRUNC: whole, shared
+        assert os.copy_file_range(s.fileno(), d.fileno(), 8 << 20, 0, 0) == len(data)
+    assert (mnt / "dst").read_bytes() == data
+
+
+@needs_patch
+def test_a_manifest_copied_within_the_mount_is_checked_and_forks(mnt, bf16_pages):
+    pages = varied_pages(bf16_pages, 4)
+    write_session(mnt / "a", pages)
+    (mnt / "c" / "pages").mkdir(parents=True)
+    run("cp", mnt / "a" / "manifest.json", mnt / "c" / "manifest.json")
+    assert sorted(os.listdir(mnt / "c" / "pages")) == ["000000", "000001", "000002", "000003"]
+    (mnt / "bad.json").write_bytes(b"{not json")
+    (mnt / "d" / "pages").mkdir(parents=True)
+    mnt.allow(r"refused manifest")
+    r = subprocess.run(["cp", str(mnt / "bad.json"), str(mnt / "d" / "manifest.json")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Invalid argument" in r.stderr
+    assert os.listdir(mnt / "d" / "pages") == []
+
+
+@needs_patch
+def test_a_cold_read_of_a_page_file_costs_three_requests(mnt, bf16_pages):
+    """open, read, release: a reader's close sends no FLUSH (FOPEN_NOFLUSH)."""
+    write_session(mnt / "a", varied_pages(bf16_pages, 2))
+    path = mnt / "a" / "pages" / "000001"
+    os.stat(path)                       # (the lookup: not part of the read)
+    keys = ("open", "read", "flush", "release")
+    s0 = stats(mnt)["requests"]
+    s1 = stats(mnt)["requests"]         # (what reading stats.json itself costs)
+    with open(path, "rb") as f:
+        assert len(f.read()) == len(bf16_pages[0])
+    s2 = stats(mnt)["requests"]
+    counted = {k: (s2.get(k, 0) - s1.get(k, 0)) - (s1.get(k, 0) - s0.get(k, 0)) for k in keys}
+    assert counted == {"open": 1, "read": 1, "flush": 0, "release": 1}
+
+
+def test_with_the_features_off_copies_move_bytes_and_are_right(mount_factory, bf16_pages,
+                                                                monkeypatch):
+    """A stock pyfuse3 (as PFFS_STOCK_PYFUSE3=1 makes pffs act): one log line says
+    what is off, cp -r copies the bytes through read and write, and the copy is right."""
+    monkeypatch.setenv("PFFS_STOCK_PYFUSE3", "1")
+    m = mount_factory()
+    write_session(m / "a", varied_pages(bf16_pages, 6))
+    before = stats(m)["requests"]
+    run("cp", "-r", m / "a", m / "b")
+    after = stats(m)["requests"]
+    assert after.get("write", 0) - before.get("write", 0) >= 6
+    for name in os.listdir(m / "a" / "pages"):
+        assert sha(m / "b" / "pages" / name) == sha(m / "a" / "pages" / name)
+    assert "without third_party/pyfuse3's patch" in m.log_text()
