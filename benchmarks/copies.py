@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""`cp -r` of a session within the mount, beside `cp -r` within a local folder,
+`pffs fork`, and the same `cp -r` with copy_file_range off, in one run.
+
+The session has Llama-3.1-8B's geometry by default (2 MiB pages: 32 layers x
+16 tokens x 8 KV heads x 128 x K,V x bf16), its bytes real bf16 KV values
+(the shared MiniLM tensors, laid end to end, each page stamped to be its own).
+Prints seconds and MB/s of each copy, the ratio to the local copy, the blob
+bytes each added to the store, and whether the copy checks (sha256sum -c of
+every page, `pffs check --read-data` of the store at the end). Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import kv_pages  # noqa: E402
+from mountutil import Mount  # noqa: E402
+from sessions import make_manifest  # noqa: E402
+
+GEOMETRIES = {
+    "8b": dict(n_layers=32, n_heads=8, head_dim=128),      # 2 MiB pages
+    "small": dict(n_layers=6, n_heads=12, head_dim=32),    # all-MiniLM-L6-v2: 144 KiB pages
+}
+
+
+def pages_of(geometry: dict, total: int) -> list[bytes]:
+    size = 2 * geometry["n_layers"] * 16 * geometry["n_heads"] * geometry["head_dim"] * 2
+    real = b"".join(kv_pages("bf16"))
+    out = []
+    for i in range(max(1, total // size)):
+        start = (i * 7919 * 64) % len(real)
+        page = bytearray((real[start:] + real * (size // len(real) + 2))[:size])
+        for off in range(0, size, 1 << 16):          # stamped: every page its own
+            page[off:off + 8] = (i * 1_000_003 + off).to_bytes(8, "little")
+        out.append(bytes(page))
+    return out
+
+
+def write_local(path: Path, pages: list[bytes], geometry: dict) -> None:
+    (path / "pages").mkdir(parents=True)
+    for i, p in enumerate(pages):
+        (path / "pages" / f"{i:06d}").write_bytes(p)
+    (path / "manifest.json").write_bytes(make_manifest(pages, **geometry).to_json())
+
+
+def stats(mnt: Path) -> dict:
+    return json.loads((mnt / ".pffs" / "stats.json").read_text())
+
+
+def timed(*cmd) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([str(c) for c in cmd], check=True)
+    return time.perf_counter() - t0
+
+
+def checks(src: Path, dst: Path) -> bool:
+    sums = subprocess.run(["sha256sum"] + sorted(os.listdir(src / "pages")), cwd=src / "pages",
+                          check=True, capture_output=True, text=True).stdout
+    r = subprocess.run(["sha256sum", "-c", "--quiet", "-"], input=sums, cwd=dst / "pages",
+                       capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512, help="session size in MiB")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)")
+    args = ap.parse_args()
+    geometry = GEOMETRIES[args.geometry]
+    work = Path(tempfile.mkdtemp(prefix="pffs-copies-", dir=args.dir))
+    try:
+        pages = pages_of(geometry, args.mib << 20)
+        nbytes = sum(map(len, pages))
+        print(f"session: {len(pages)} pages of {len(pages[0]) / 2**20:.2f} MiB ({args.geometry} geometry),"
+              f" {nbytes / 2**20:.0f} MiB of real bf16 KV values")
+        write_local(work / "src", pages, geometry)
+        subprocess.run(["sync"], check=True)
+        local = timed("cp", "-r", work / "src", work / "local-copy")
+        rows = [("cp -r within a local folder", local, None, True),
+                ("cp -r + sync within a local folder",
+                 timed("sh", "-c", f"cp -r '{work / 'src'}' '{work / 'local-copy2'}' && sync"), None, True)]
+
+        (work / "m").mkdir()
+        m = Mount(work / "m").start()
+        try:
+            subprocess.run(["cp", "-r", str(work / "src"), str(m.path / "a")], check=True)
+            subprocess.run(["sync"], check=True)
+            s0 = stats(m.path)["stored_bytes"]
+            t = timed("cp", "-r", m.path / "a", m.path / "b")
+            rows.append(("cp -r within the mount", t, stats(m.path)["stored_bytes"] - s0,
+                         checks(work / "src", m.path / "b")))
+            t = timed("sh", "-c", f"cp -r '{m.path / 'a'}' '{m.path / 'b2'}' && sync")
+            rows.append(("cp -r + sync within the mount", t, None, checks(work / "src", m.path / "b2")))
+            s0 = stats(m.path)["stored_bytes"]
+            t = timed(sys.executable, "-m", "pffs.cli", "fork", m.path / "a", m.path / "c")
+            rows.append(("pffs fork within the mount", t, stats(m.path)["stored_bytes"] - s0,
+                         checks(work / "src", m.path / "c")))
+        finally:
+            m.stop()
+        os.environ["PFFS_STOCK_PYFUSE3"] = "1"
+        m = Mount(work / "m").start()
+        try:
+            s0 = stats(m.path)["stored_bytes"]
+            t = timed("cp", "-r", m.path / "a", m.path / "d")
+            rows.append(("cp -r within the mount, copy_file_range off", t,
+                         stats(m.path)["stored_bytes"] - s0, checks(work / "src", m.path / "d")))
+        finally:
+            m.stop()
+            del os.environ["PFFS_STOCK_PYFUSE3"]
+        check = subprocess.run([sys.executable, "-m", "pffs.cli", "check", "--read-data", "--store",
+                                str(m.store)], capture_output=True, text=True)
+        print(f"\n{'':46} {'s':>7} {'MB/s':>8} {'vs local':>9} {'new blob bytes':>15}  sha256sum -c")
+        for name, t, added, ok in rows:
+            print(f"{name:46} {t:7.2f} {nbytes / t / 1e6:8.0f} {local / t:8.2f}x "
+                  f"{'-' if added is None else added:>15}  {'ok' if ok else 'FAILED'}")
+        print(f"\npffs check --read-data: {check.stdout.strip().splitlines()[-1] if check.stdout else ''}"
+              f" (exit {check.returncode})")
+        return 0 if check.returncode == 0 and all(r[3] for r in rows) else 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
