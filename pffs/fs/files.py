@@ -61,25 +61,26 @@ class OpenFile:
     gid: int
 
 
+@dataclass(eq=False)
 class Files:
-    def __init__(self, db: Database, content: ContentStore, inodes: InodeTable, reader: BlobReader,
-                 prefetch: Prefetch, invalidate: Invalidator, *, staging_memory: int = 128 << 20,
-                 journal_fsync: bool = True):
-        self.db = db
-        self.content = content
-        self.inodes = inodes
-        self.reader = reader
-        self.prefetch = prefetch
-        self.invalidate = invalidate
-        self.budget = MemoryBudget(staging_memory)
+    db: Database
+    content: ContentStore
+    inodes: InodeTable
+    reader: BlobReader
+    prefetch: Prefetch
+    invalidate: Invalidator
+    staging_memory: int = 128 << 20
+    # fsync() of a staged file journals its bytes rather than committing them
+    # (off for an S3 store: there, fsync uploads).
+    journal_fsync: bool = True
+
+    def __post_init__(self) -> None:
+        self.budget = MemoryBudget(self.staging_memory)
         self.handles: dict[int, OpenFile] = {}
         self._next_fh = 1
-        # fsync() of a staged file journals its bytes rather than committing them
-        # (off for an S3 store: there, fsync uploads).
-        self.journal_fsync = journal_fsync
         # Full blocks of a file being written are stored while it is written
         # (off where a commit uploads or syncs its blobs: S3, -o sync=close).
-        self.write_behind = not content.sync_on_close
+        self.write_behind = not self.content.sync_on_close
         self.behind_limiter = trio.CapacityLimiter(1)   # (the block budget allows one anyway)
         self.nursery: trio.Nursery | None = None        # (the daemon's, while it serves)
         # Bytes copy_file_range gave by sharing blobs, and bytes it copied (stats.json).
