@@ -31,8 +31,14 @@ from pffs.live import protocol
 from sessions import digest, tree_digest
 
 SEED = 11
+COPY_RANGE = hasattr(__import__("pyfuse3").Operations, "copy_file_range")
 PROMPT = [(29 * i + 7) % 512 for i in range(53)]
 DEADLINE = 60.0
+
+
+def requests(mnt) -> dict[str, int]:
+    """FUSE requests the daemon has served, by operation (.pffs/stats.json)."""
+    return json.loads((mnt / ".pffs" / "stats.json").read_text())["requests"]
 
 
 class EngineProc:
@@ -162,8 +168,16 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     live = mnt / "engines/e1/req-1"
     assert listing(live) == ["manifest.json", "pages"]
 
-    # cp -r of the live request is byte for byte the bridge's own page-out.
+    # cp -r of the live request is byte for byte the bridge's own page-out; with
+    # copy_file_range (pyfuse3 built with third_party/pyfuse3's patch) its pages'
+    # bytes go from engines/ to the store in the daemon, never through FUSE.
+    before = requests(mnt)
     run("cp", "-r", live, mnt / "snap")
+    moved = {k: v - before.get(k, 0) for k, v in requests(mnt).items()}
+    n_pages = len(listing(mnt / "snap/pages"))
+    if COPY_RANGE:
+        assert moved.get("copy_file_range", 0) >= n_pages + 1
+        assert moved.get("write", 0) == 0
     e1("page_out", ids=["req-1"], dest=str(tmp_path / "direct"))
     assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
     # One page read on its own (no manifest.json read first) is the same page.
@@ -174,7 +188,12 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
 
     # Copied into a second engine, it becomes one of that engine's live sessions ...
     assert listing(mnt / "engines/e2") == []
+    before = requests(mnt)
     run("cp", "-r", mnt / "snap", mnt / "engines/e2/")
+    moved = {k: v - before.get(k, 0) for k, v in requests(mnt).items()}
+    if COPY_RANGE:
+        assert moved.get("copy_file_range", 0) >= n_pages + 1
+        assert moved.get("write", 0) == 0 and moved.get("read", 0) <= 2   # (stats.json's own)
     assert listing(mnt / "engines/e2") == ["snap"]
     assert e2("state")["groups"] == {"snap": ["req-1"]}
     back = mf.parse((mnt / "engines/e2/snap/manifest.json").read_bytes())
