@@ -14,8 +14,8 @@ in this process, through engine_bridge.agent.  Prints MB/s of:
   page file (served from staging, or gathered again from the pinned blocks);
 - ``cp -r`` of the live session into the store, beside the page-out through the mount;
 - ``pffs fork`` of the live session out of ``engines/`` (the engine pages it
-  out itself) and of a session into ``engines/`` (a second engine pages it
-  in), beside the bridge's own page-out and page-in through the mount (both
+  out itself) and ``pffs fork`` and ``cp -r`` of a session into ``engines/`` (a
+  second engine pages it in), beside the bridge's own page-out and page-in through the mount (both
   by the direct path where this process may use the store).
 Needs root (FUSE).
 """
@@ -214,9 +214,13 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
                 subprocess.run([*pffs, str(mnt.path / "direct-0"),
                                 str(mnt.path / "engines" / "loader" / f"s{next(g)}")], check=True,
                                capture_output=True)
+
+            def cp_in():
+                subprocess.run(["cp", "-r", str(mnt.path / "direct-0"),
+                                str(mnt.path / "engines" / "loader" / f"c{next(g)}")], check=True)
             # Alternating rounds (this host's speed drifts between runs): each
             # pffs fork beside the bridge's own page-out or page-in, the same bytes.
-            times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "pi", "fi")}
+            times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "pi", "fi", "ci")}
             for _ in range(args.repeat):
                 perturb(pool)
                 times["po"].append(timed(out_mount))
@@ -224,11 +228,13 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
                 times["fo"].append(timed(fork_out))
                 times["pi"].append(timed(in_mount))
                 times["fi"].append(timed(fork_in))
+                times["ci"].append(timed(cp_in))
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append(("alternating: bridge page-out -> mount (median)", size, med["po"]))
             rows.append(("live: pffs fork out of engines/ (median; the engine pages out)", size, med["fo"]))
             rows.append(("alternating: bridge page-in <- mount (median)", size, med["pi"]))
             rows.append(("live: pffs fork into engines/ (median; the engine pages in)", size, med["fi"]))
+            rows.append(("live: cp -r into engines/ (median; the engine pages in)", size, med["ci"]))
         # Snapshots are released once idle; check the pins went back.
         wait_for(lambda: alloc.num_free() == pool.num_blocks - n, what="pins released")
     return rows
@@ -253,6 +259,9 @@ def report(rows: list[tuple[str, int, float]]) -> None:
           f"{page_out / fork_out:.2f}x the speed (medians of alternating rounds)")
     print(f"pffs fork into engines/ vs the bridge's page-in through the mount: {page_in / fork_in:.2f}x "
           "the speed (medians of alternating rounds)")
+    cp_in = base["live: cp -r into engines/ (median; the engine pages in)"][2]
+    print(f"cp -r of a session into engines/ vs the bridge's page-in through the mount: "
+          f"{page_in / cp_in:.2f}x the speed (medians of alternating rounds)")
 
 
 def _best(fn, repeat: int, setup=None) -> float:

@@ -32,6 +32,9 @@ from .fs.staging import journal_inode
 from .store.local import LocalBlobStore, PutBatch
 from .storedir import StoreDir
 
+if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport before it
+    from exceptiongroup import BaseExceptionGroup
+
 if TYPE_CHECKING:
     from .fs.db import Database
     from .fs.operations import Handlers
@@ -178,6 +181,14 @@ class Made(Generic[T]):
         setattr(obj, self.attr, value)
 
 
+def _connection_aborted(e: BaseException) -> bool:
+    """Whether pyfuse3's session loop ended on ECONNABORTED from /dev/fuse (alone,
+    or in exception groups)."""
+    if isinstance(e, BaseExceptionGroup):
+        return all(_connection_aborted(x) for x in e.exceptions)
+    return isinstance(e, ConnectionAbortedError)
+
+
 class Daemon:
     def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions):
         self.store = store
@@ -299,7 +310,14 @@ class Daemon:
             nursery.start_soon(self.live.serve)
             if self.journals:
                 await self.ops.files.replay_journals(self.journals)
-            await pyfuse3.main()
+            try:
+                await pyfuse3.main()
+            except BaseException as e:
+                if not _connection_aborted(e):
+                    raise
+                # The kernel ended the session (an abort through fusectl, or
+                # one at unmount): what is staged is committed all the same.
+                log.info("the kernel aborted the FUSE connection of %s: unmounting", self.mountpoint)
             nursery.cancel_scope.cancel()
         with trio.CancelScope(shield=True):
             await self.ops.files.commit_all()

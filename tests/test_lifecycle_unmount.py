@@ -10,10 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from mountutil import is_mounted, pffs, wait_for
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
 
 WRITER = """
 import os, sys
@@ -112,3 +116,33 @@ def test_unmount_while_clients_are_busy(mount_factory, how):
     n = int((m / "closed").read_text())
     assert (m / f"w{n % 4}").stat().st_size == 8 << 20
     assert (m / "big").stat().st_size == 32 << 20
+
+
+def test_a_connection_the_kernel_aborts_ends_the_daemon_in_order(mount_factory):
+    """An abort of the FUSE connection (fusectl's abort file, as `umount -f` or an
+    administrator would) ends the daemon with status 0, no traceback in its log;
+    what was closed before it is kept."""
+    ctl = Path("/sys/fs/fuse/connections")
+    if not os.path.ismount(ctl):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(ctl)], check=True)
+    m = mount_factory()
+    (m / "kept").write_bytes(b"k" * 100_000)
+    (ctl / str(os.minor(os.stat(m.path).st_dev)) / "abort").write_text("1")
+    wait_for(lambda: m.proc.poll() is not None, timeout=60, what="the daemon's exit")
+    assert m.proc.returncode == 0
+    assert m.stop() == 0
+    m.start()
+    assert (m / "kept").read_bytes() == b"k" * 100_000
+
+
+def test_econnaborted_from_the_session_loop_is_the_end_of_the_session():
+    """/dev/fuse answering ECONNABORTED (the kernel aborted the connection) ends
+    pyfuse3's loop with that error, inside exception groups: the daemon takes it
+    as the end of the session (and commits what is staged), anything else not."""
+    from pffs.daemon import _connection_aborted
+    aborted = ConnectionAbortedError(103, "fuse_session_receive_buf failed")
+    assert _connection_aborted(ExceptionGroup("trio", [ExceptionGroup("pyfuse3", [aborted])]))
+    assert _connection_aborted(aborted)
+    assert not _connection_aborted(ExceptionGroup("trio", [aborted, OSError(5, "EIO")]))
+    assert not _connection_aborted(BaseExceptionGroup("trio", [KeyboardInterrupt()]))
+    assert not _connection_aborted(RuntimeError())
