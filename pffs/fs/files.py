@@ -61,6 +61,23 @@ class OpenFile:
     gid: int
 
 
+async def copy_pieces(read, fh_in: int, off_in: int, write, fh_out: int, off_out: int,
+                      length: int) -> int:
+    """Copy up to *length* bytes with ``read(fh, off, size)`` and ``write(fh, off,
+    data)`` handlers, COPY_PIECE at a time: the bytes copied (fewer at the
+    source's end, or where a write took less)."""
+    done = 0
+    while done < length:
+        data = await read(fh_in, off_in + done, min(COPY_PIECE, length - done))
+        if not data:
+            break
+        n = await write(fh_out, off_out + done, data)
+        done += n
+        if n < len(data):
+            break
+    return done
+
+
 @dataclass(eq=False)
 class Files:
     db: Database
@@ -290,12 +307,7 @@ class Files:
                 self.copies["shared_bytes"] += n
                 return n
         self.size_ok(dst.ino, off_out + length, "copy")
-        done = 0
-        while done < length:
-            data = await self.read(fh_in, off_in + done, min(COPY_PIECE, length - done))
-            if not data:
-                break
-            done += await self.write(fh_out, off_out + done, data)
+        done = await copy_pieces(self.read, fh_in, off_in, self.write, fh_out, off_out, length)
         self.copies["copied_bytes"] += done
         return done
 

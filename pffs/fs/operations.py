@@ -24,7 +24,7 @@ from ..namespace import FsError
 from .blobcache import BlobCache, BlobReader
 from .content import ContentStore
 from .db import Database
-from .files import COPY_PIECE, NOFLUSH, Files
+from .files import NOFLUSH, Files, copy_pieces
 from .inodes import InodeTable, Invalidator
 from .manifests import Manifests
 from .prefetch import Prefetch
@@ -223,16 +223,7 @@ class Operations(pyfuse3.Operations):
         # Between two trees (a session copied into engines/E/, a live one out
         # of it): the bytes go from one to the other here, in pieces, instead
         # of crossing FUSE twice.
-        done = 0
-        while done < length:
-            data = await tree_in.read(fh_in, off_in + done, min(COPY_PIECE, length - done))
-            if not data:
-                break
-            n = await tree_out.write(fh_out, off_out + done, data)
-            done += n
-            if n < len(data):
-                break
-        return done
+        return await copy_pieces(tree_in.read, fh_in, off_in, tree_out.write, fh_out, off_out, length)
 
     @handler
     async def fsync(self, fh, datasync):

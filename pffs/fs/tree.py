@@ -322,9 +322,10 @@ class NamespaceTree(Tree):
 
     async def readdir(self, fh, start_id, token) -> bool:
         """List folder *fh* from cookie *start_id*: whether every entry fit."""
-        if ns.is_folded(self.db.ro, fh):
+        if start_id == 0 and ns.is_folded(self.db.ro, fh):
             # A fork folded it since opendir (which unfolds too): its page files
-            # are rows again before they are listed.
+            # are rows again before they are listed.  (Only an empty pages/ is
+            # folded, so a listing under way, past its first entry, never is.)
             await self.db.write(ns.unfold, fh)
         cur = self.db.ro.execute(ns.READDIR_SQL, (fh, start_id))
         listing = self.prefetch.listing(fh, start_id)
