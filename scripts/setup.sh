@@ -53,3 +53,10 @@ if ! .venv/bin/python -c "import pyfuse3, sys; sys.exit(not hasattr(pyfuse3.Oper
     fi
     .venv/bin/pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/pyfuse3-$PYFUSE3-*.whl
 fi
+# vLLM (for the vLLM connector's tests) without its CUDA dependencies: every
+# package pinned and installed with --no-deps, so torch 2.13.0 stays
+# (third_party/vllm/requirements.txt says why each is there).
+if ! cmp -s third_party/vllm/requirements.txt .venv/.pffs-vllm-installed 2>/dev/null; then
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps -r third_party/vllm/requirements.txt
+    cp third_party/vllm/requirements.txt .venv/.pffs-vllm-installed
+fi
