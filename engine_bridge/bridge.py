@@ -60,6 +60,22 @@ def config_sha256(config: dict[str, Any]) -> str:
     return hashlib.sha256(data.encode()).hexdigest()
 
 
+#: Hugging Face config keys that say nothing about what the KV bytes mean
+#: (bookkeeping, output switches, the attention kernel an engine may switch).
+_CONFIG_NOISE = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "use_cache",
+                 "output_hidden_states", "output_attentions", "return_dict"}
+
+
+def hf_config_sha256(config) -> str:
+    """:func:`config_sha256` of a Hugging Face model config without its bookkeeping keys.
+
+    The transformers adapter and the vLLM connector both use it, so the same
+    checkpoint gets the same identity in either engine.
+    """
+    return config_sha256({k: v for k, v in config.to_dict().items()
+                          if k not in _CONFIG_NOISE and not k.startswith("_")})
+
+
 @dataclass
 class SeqBlocks:
     """One logical sequence as an engine holds it.
@@ -93,6 +109,54 @@ class PageInResult:
 
 def _kv_norm(kv: dict[str, Any] | None) -> dict[str, Any]:
     return {**DEFAULT_KV, **(kv or {})}
+
+
+def check_manifest(manifest: Manifest, geometry: dict[str, Any], kv: dict[str, Any] | None,
+                   model: dict[str, Any] | None, *, force: bool = False) -> None:
+    """Refuse a manifest whose pages mean something else in a pool of *geometry*.
+
+    Geometry, dtype, page layout and kv conventions must match; the model
+    identity must match where both sides give a field (``force`` skips only
+    that last check).  A manifest without ``kv`` is taken to follow
+    :data:`~engine_bridge.pool.DEFAULT_KV`.
+    """
+    for key in ("page_size_tokens", "n_layers", "n_heads", "head_dim", "dtype"):
+        if getattr(manifest, key) != geometry[key]:
+            raise MismatchError(key, getattr(manifest, key), geometry[key])
+    if manifest.layout not in SUPPORTED_LAYOUTS:
+        raise MismatchError("layout", manifest.layout, SUPPORTED_LAYOUTS[0])
+    mine, theirs = _kv_norm(kv), _kv_norm(manifest.kv)
+    for key in sorted(mine.keys() | theirs.keys()):
+        if mine.get(key) != theirs.get(key):
+            raise MismatchError(f"kv.{key}", theirs.get(key), mine.get(key))
+    if force or not manifest.model or not model:
+        return
+    for key in sorted(manifest.model.keys() & model.keys()):
+        a, b = manifest.model[key], model[key]
+        if a is not None and b is not None and a != b:
+            raise ModelMismatch(f"model.{key}", a, b)
+
+
+class _GivenBlocks:
+    """An allocator that hands out blocks an engine already allocated, in order.
+
+    For engines (vLLM) whose scheduler picks the blocks a page-in fills;
+    ``free`` gives nothing back: the blocks stay the engine's.
+    """
+
+    def __init__(self, blocks: Sequence[int]):
+        self._blocks = [BlockId(int(b)) for b in blocks]
+
+    def num_free(self) -> int:
+        return len(self._blocks)
+
+    def allocate(self, n: int) -> list[BlockId]:
+        if n != len(self._blocks):
+            raise NoFreeBlocks(n, len(self._blocks))
+        return list(self._blocks)
+
+    def free(self, blocks: Sequence[BlockId]) -> None:
+        pass
 
 
 class Bridge:
@@ -299,29 +363,8 @@ class Bridge:
             raise InvalidSession(f"manifest.json: {e}") from None
 
     def check(self, manifest: Manifest, *, force: bool = False) -> None:
-        """Refuse a manifest whose pages mean something else in this pool.
-
-        Geometry, dtype, page layout and kv conventions must match; the model
-        identity must match where both sides give a field (``force`` skips
-        only that last check).  A manifest without ``kv`` is taken to follow
-        :data:`~engine_bridge.pool.DEFAULT_KV`.
-        """
-        g = self.pool.geometry
-        for key in ("page_size_tokens", "n_layers", "n_heads", "head_dim", "dtype"):
-            if getattr(manifest, key) != g[key]:
-                raise MismatchError(key, getattr(manifest, key), g[key])
-        if manifest.layout not in SUPPORTED_LAYOUTS:
-            raise MismatchError("layout", manifest.layout, SUPPORTED_LAYOUTS[0])
-        mine, theirs = _kv_norm(self.pool.kv), _kv_norm(manifest.kv)
-        for key in sorted(mine.keys() | theirs.keys()):
-            if mine.get(key) != theirs.get(key):
-                raise MismatchError(f"kv.{key}", theirs.get(key), mine.get(key))
-        if force or not manifest.model or not self.model:
-            return
-        for key in sorted(manifest.model.keys() & self.model.keys()):
-            a, b = manifest.model[key], self.model[key]
-            if a is not None and b is not None and a != b:
-                raise ModelMismatch(f"model.{key}", a, b)
+        """Refuse a manifest whose pages mean something else in this pool (see :func:`check_manifest`)."""
+        check_manifest(manifest, self.pool.geometry, self.pool.kv, self.model, force=force)
 
     def page_in(self, src: SourceLike, *, force: bool = False,
                 accept: Callable[[Manifest], None] | None = None) -> PageInResult:
@@ -353,6 +396,28 @@ class Bridge:
                           None if s.token_ids is None else list(s.token_ids))
                 for s in manifest.logical_seqs]
         return PageInResult(seqs, blocks, manifest)
+
+    def load_into(self, src: SourceLike, page_ixs: Sequence[int], blocks: Sequence[int], *,
+                  force: bool = False) -> Manifest:
+        """Page pages *page_ixs* of a session into the given *blocks* (one each, in order).
+
+        For an engine whose scheduler chose the blocks.  The manifest is
+        checked as :meth:`page_in` checks it, and every page's size and
+        sha256 before its bytes count; on a refusal the blocks' contents are
+        unspecified (the engine must not use them) and nothing else changed.
+        """
+        if len(page_ixs) != len(blocks) or len(set(page_ixs)) != len(page_ixs):
+            raise ValueError("load_into needs one block per page and distinct pages")
+        source = as_source(src)
+        manifest = self.read_manifest(source)
+        self.check(manifest, force=force)
+        if page_ixs and not (0 <= min(page_ixs) and max(page_ixs) < len(manifest.pages)):
+            raise InvalidSession(f"pages {min(page_ixs)}..{max(page_ixs)} not in a session of "
+                                 f"{len(manifest.pages)} pages")
+        self._check_present(source, manifest)
+        with self._lock:
+            self._load(source, manifest, list(page_ixs), _GivenBlocks(blocks))
+        return manifest
 
     def _check_present(self, source: SessionSource, manifest: Manifest) -> None:
         # Completeness and sizes from metadata, when the source can tell them.

@@ -167,15 +167,15 @@ class KVPool:
         """Block ids as an index tensor on the pool's device."""
         return torch.tensor(list(blocks), dtype=torch.long).to(self.device, non_blocking=True)
 
+    def _tok_shape(self) -> tuple[int, ...]:
+        # A canonical view's dimensions after K/V and block: token slot(s), head, bytes.
+        return tuple(self._canon[0].shape[2:])
+
     def _page_view(self, buf: torch.Tensor) -> torch.Tensor:
-        n = buf.shape[0]
-        return buf.view(n, 2, self.n_layers, self.block_size, self.n_heads,
-                        self.head_dim * self.itemsize)
+        return buf.view(buf.shape[0], 2, self.n_layers, *self._tok_shape())
 
     def _page_np(self, buf: torch.Tensor):
-        n = buf.shape[0]
-        return buf.numpy().reshape(n, 2, self.n_layers, self.block_size, self.n_heads,
-                                   self.head_dim * self.itemsize)
+        return buf.numpy().reshape(buf.shape[0], 2, self.n_layers, *self._tok_shape())
 
     def _canon_np(self) -> list:
         """numpy views of the canonical byte views (a CPU pool's)."""
@@ -205,7 +205,7 @@ class KVPool:
 
     def zero_tail(self, out: torch.Tensor, row: int, fill: int) -> None:
         """Zero token slots ``fill..block_size-1`` of page ``row`` in ``out``."""
-        self._page_view(out)[row, :, :, fill:].zero_()
+        out.view(out.shape[0], 2, self.n_layers, self.block_size, -1)[row, :, :, fill:].zero_()
 
     def scatter(self, index: torch.Tensor, src: torch.Tensor) -> None:
         """Copy page bytes ``src`` ([n, page_bytes] uint8) into blocks ``index``."""
@@ -224,3 +224,75 @@ class KVPool:
     def clone_layers(self) -> list[torch.Tensor]:
         """A copy of every layer tensor (for tests and rollback checks)."""
         return [t.clone() for t in self.layers]
+
+
+#: vLLM's physical orders of its logical ``[L, B, H, N, C]`` KV cache
+#: (``vllm.v1.kv_cache_layout.KVCacheLayout`` names).
+VLLM_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+
+class VllmKVPool(KVPool):
+    """vLLM's per-layer KV views as a bridge pool (no copy).
+
+    vLLM hands a connector one view per layer, logically ``[B, H, N, C]``
+    (kernel blocks, KV heads, token slots, K then V packed in ``C``), laid out
+    in memory in one of :data:`VLLM_ORDERS` through its strides.  When the
+    attention kernel splits each of the scheduler's blocks into ``r`` kernel
+    blocks, the view's first dimension is ``r * num_blocks``: a block of this
+    pool is one scheduler block, ``r`` kernel blocks whose token slots follow
+    each other.  Page bytes do not depend on the order or the split, so a
+    session saved from one layout pages into any other (and into every other
+    engine of the same geometry).
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], order: str, num_blocks: int,
+                 kv: dict[str, Any] | None = None):
+        if order not in VLLM_ORDERS:
+            raise ValueError(f"unknown vLLM KV cache layout {order!r} (known: {', '.join(VLLM_ORDERS)})")
+        if not views:
+            raise ValueError("a KV pool needs at least one layer")
+        first = views[0]
+        if first.dim() != 4:
+            raise ValueError(f"vLLM layer views have 4 dimensions [B, H, N, C], not shape {tuple(first.shape)}")
+        kblocks, H, Nk, C = first.shape
+        if num_blocks <= 0 or kblocks % num_blocks:
+            raise ValueError(f"{kblocks} kernel blocks do not split into {num_blocks} blocks")
+        if C % 2:
+            raise ValueError(f"K and V differ in head size (packed {C}): pages need one head_dim")
+        r = kblocks // num_blocks
+        for i, t in enumerate(views):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(f"layer {i} differs from layer 0 in shape, dtype or device")
+            if t.stride(-1) != 1:
+                raise ValueError(f"layer {i}: the packed K/V dimension must be contiguous")
+        self.layout = KVLayout(f"vllm {order}", (3, 0, 2, 1, 4))
+        self.layers = list(views)
+        self.num_blocks, self.block_size, self.n_heads, self.head_dim = num_blocks, r * Nk, H, C // 2
+        self.kernel_blocks_per_block = r
+        self.dtype = first.dtype
+        self.dtype_name = dtype_name(first.dtype)
+        self.itemsize = DTYPE_SIZES[self.dtype_name]
+        self.device = first.device
+        self.n_layers = len(self.layers)
+        self.kv = dict(DEFAULT_KV if kv is None else kv)
+        d = self.head_dim * self.itemsize
+        # [B*r, H, Nk, 2*d] bytes -> [B, r, H, Nk, 2, d] -> canonical [2, B, r, Nk, H, d].
+        self._canon = [t.view(torch.uint8).unflatten(0, (num_blocks, r)).unflatten(-1, (2, d))
+                       .permute(4, 0, 1, 3, 2, 5) for t in self.layers]
+        self._np = None
+
+    @classmethod
+    def allocate_vllm(cls, *, num_blocks: int, block_size: int, n_layers: int, n_heads: int,
+                      head_dim: int, dtype: torch.dtype = torch.bfloat16, order: str = "LBNHC",
+                      device: str | torch.device = "cpu", kernel_blocks_per_block: int = 1,
+                      kv: dict[str, Any] | None = None) -> "VllmKVPool":
+        """A zero-filled pool laid out as vLLM lays out *order* (for tests and benchmarks)."""
+        r = kernel_blocks_per_block
+        if order not in VLLM_ORDERS or block_size % r:
+            raise ValueError(f"bad order {order!r} or kernel split {r} of {block_size}")
+        names = "LBHNC"
+        sizes = {"L": n_layers, "B": num_blocks * r, "H": n_heads, "N": block_size // r,
+                 "C": 2 * head_dim}
+        raw = torch.zeros([sizes[a] for a in order], dtype=dtype, device=device)
+        logical = raw.permute([order.index(a) for a in names])
+        return cls([logical[i] for i in range(n_layers)], order, num_blocks, kv)

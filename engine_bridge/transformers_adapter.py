@@ -75,7 +75,7 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 
 from pffs.manifest import Manifest  # noqa: E402
 
-from .bridge import Bridge, PageInResult, SeqBlocks, config_sha256  # noqa: E402
+from .bridge import Bridge, PageInResult, SeqBlocks, hf_config_sha256  # noqa: E402
 from .errors import NoFreeBlocks, Refused  # noqa: E402
 from .pool import BlockId, KVLayout, KVPool  # noqa: E402
 from .reference import weights_digest  # noqa: E402
@@ -85,15 +85,6 @@ from .staging import DEFAULT_STAGING_BYTES  # noqa: E402
 #: One layer's view of the cache: [num_blocks, 2, page_size, n_kv_heads, head_dim].
 TRANSFORMERS_PAGED = KVLayout("transformers paged", (1, 0, 2, 3, 4))
 
-#: Config keys that say nothing about what the KV bytes mean (bookkeeping,
-#: output switches, the attention kernel the manager may switch).
-_CONFIG_NOISE = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "use_cache",
-                 "output_hidden_states", "output_attentions", "return_dict"}
-
-
-def _identity_config(config) -> dict[str, Any]:
-    return {k: v for k, v in config.to_dict().items()
-            if k not in _CONFIG_NOISE and not k.startswith("_")}
 
 
 def model_identity(model, *, name: str | None = None, revision: str | None = None) -> dict[str, Any]:
@@ -111,7 +102,7 @@ def model_identity(model, *, name: str | None = None, revision: str | None = Non
         name = config.name_or_path or config.model_type
     if revision is None:
         revision = getattr(config, "_commit_hash", None) or weights_digest(model.state_dict())[:16]
-    return {"name": name, "revision": revision, "config_sha256": config_sha256(_identity_config(config))}
+    return {"name": name, "revision": revision, "config_sha256": hf_config_sha256(config)}
 
 
 class TransformersKVPool(KVPool):
