@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,7 +287,12 @@ class PffsConnector(KVConnectorBase_V1):
         assert isinstance(meta, PffsConnectorMetadata)
         for job in meta.loads:
             try:
-                self._need_bridge().load_into(self._session(job.name), job.page_ixs, job.block_ids)
+                t0 = time.perf_counter()
+                bridge = self._need_bridge()
+                bridge.load_into(self._session(job.name), job.page_ixs, job.block_ids)
+                log.info("request %s: loaded %d pages (%d bytes) of %r in %.3f s", job.req_id,
+                         len(job.page_ixs), len(job.page_ixs) * bridge.pool.page_bytes, job.name,
+                         time.perf_counter() - t0)
             except (BridgeError, OSError, ValueError) as e:
                 log.error("request %s: %s %r: %s; its %d blocks are computed instead",
                           job.req_id, LOAD, job.name, e, len(job.block_ids))
@@ -313,7 +319,11 @@ class PffsConnector(KVConnectorBase_V1):
     def _save(self, bridge: Bridge, job: SaveJob) -> None:
         seq = SeqBlocks(job.req_id, [BlockId(int(b)) for b in job.block_ids], job.n_tokens, job.token_ids)
         try:
-            bridge.page_out([seq], self._session(job.name), include_token_ids=self.store_tokens)
+            t0 = time.perf_counter()
+            m = bridge.page_out([seq], self._session(job.name), include_token_ids=self.store_tokens)
+            log.info("request %s: saved %d pages (%d bytes) as %r in %.3f s", job.req_id,
+                     len(m.pages), len(m.pages) * bridge.pool.page_bytes, job.name,
+                     time.perf_counter() - t0)
         except Exception as e:
             log.error("request %s: %s %r failed: %s", job.req_id, SAVE, job.name, e)
             raise
