@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine_bridge import (Bridge, DirSink, DirSource, KVPool, MemorySession,  # noqa: E402
                            RefCountingAllocator, SeqBlocks, store_access)
+from engine_bridge.pool import VLLM_ORDERS, VllmKVPool  # noqa: E402
 from engine_bridge.reference import ModelConfig, ReferenceEngine  # noqa: E402
 from pffs import codec  # noqa: E402
 from pffs.offline import StoreSessionSink, StoreSessionSource  # noqa: E402
@@ -166,6 +167,9 @@ def main() -> int:
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b",
                     help="page geometry: 8b (2 MiB pages, default) or small (144 KiB pages)")
     ap.add_argument("--threads", default="1,2", help="the bridge's I/O thread counts to measure (default 1,2)")
+    ap.add_argument("--pool-layout", default="flash_attn", choices=["flash_attn", *VLLM_ORDERS],
+                    help="the pool's layout: vLLM FlashAttention's 5-D tensors (default) or vLLM's "
+                         "packed K/V views in one of its physical orders (engine_bridge.vllm)")
     args = ap.parse_args()
     global GEOM
     GEOM = GEOMETRIES[args.geometry]
@@ -178,6 +182,17 @@ def main() -> int:
     num_blocks = max(2, (args.pool_mib << 20) // page)
     pool = KVPool.allocate(num_blocks=num_blocks, dtype=torch.bfloat16, **GEOM)
     what = fill_real_kv(pool)
+    if args.pool_layout != "flash_attn":
+        # The same page bytes in vLLM's views of that order.
+        vpool = VllmKVPool.allocate_vllm(num_blocks=num_blocks, dtype=torch.bfloat16,
+                                         order=args.pool_layout, **GEOM)
+        for a in range(0, num_blocks, 16):
+            ix = pool.block_index(range(a, min(a + 16, num_blocks)))
+            buf = torch.empty((len(ix), page), dtype=torch.uint8)
+            pool.gather(ix, buf)
+            vpool.scatter(ix, buf)
+        pool = vpool
+        what += f", in vLLM's {args.pool_layout} views"
     order = torch.randperm(num_blocks).tolist()
     n_tokens = num_blocks * GEOM["block_size"] - 5
     seq = SeqBlocks("req-0", order, n_tokens, None)
