@@ -73,6 +73,39 @@ def checks(src: Path, dst: Path) -> bool:
     return r.returncode == 0
 
 
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cold_read(session: Path) -> float:
+    """Seconds to read every page file of *session* with the page cache dropped first."""
+    drop_caches()
+    files = sorted(str(p) for p in (session / "pages").iterdir())
+    t = time.perf_counter()
+    subprocess.run(["sh", "-c", 'cat "$@" > /dev/null', "sh", *files], check=True)
+    return time.perf_counter() - t
+
+
+def borg_snapshot(work: Path) -> tuple[float | None, float | None]:
+    """borg create --compression zstd,3 of the session: seconds and stored ratio (None without borg)."""
+    if shutil.which("borg") is None:
+        return None, None
+    env = {**os.environ, "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes",
+           "BORG_RELOCATED_REPO_ACCESS_IS_OK": "yes", "BORG_BASE_DIR": str(work / "borg-home")}
+    repo = work / "borg-repo"
+    subprocess.run(["borg", "init", "-e", "none", str(repo)], check=True, env=env, capture_output=True)
+    drop_caches()
+    t = time.perf_counter()
+    subprocess.run(["sh", "-c", f"borg create --compression zstd,3 '{repo}::s' src && sync"],
+                   cwd=work, check=True, env=env)
+    t = time.perf_counter() - t
+    info = json.loads(subprocess.run(["borg", "info", "--json", f"{repo}::s"], check=True, env=env,
+                                     capture_output=True, text=True).stdout)
+    st = info["archives"][0]["stats"]
+    return t, st["original_size"] / st["deduplicated_size"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=512, help="session size in MiB")
@@ -93,11 +126,14 @@ def main() -> int:
                 ("cp -r + sync within a local folder",
                  timed("sh", "-c", f"cp -r '{work / 'src'}' '{work / 'local-copy2'}' && sync"), None, True)]
 
+        borg_t, borg_ratio = borg_snapshot(work)
+        local_read = cold_read(work / "src")
+
         (work / "m").mkdir()
         m = Mount(work / "m").start()
         try:
-            subprocess.run(["cp", "-r", str(work / "src"), str(m.path / "a")], check=True)
-            subprocess.run(["sync"], check=True)
+            snap = timed("sh", "-c", f"cp -r '{work / 'src'}' '{m.path / 'a'}' && sync")
+            snap_ratio = nbytes / stats(m.path)["stored_bytes"]
             s0 = stats(m.path)["stored_bytes"]
             t = timed("cp", "-r", m.path / "a", m.path / "b")
             rows.append(("cp -r within the mount", t, stats(m.path)["stored_bytes"] - s0,
@@ -108,6 +144,11 @@ def main() -> int:
             t = timed(sys.executable, "-m", "pffs.cli", "fork", m.path / "a", m.path / "c")
             rows.append(("pffs fork within the mount", t, stats(m.path)["stored_bytes"] - s0,
                          checks(work / "src", m.path / "c")))
+        finally:
+            m.stop()
+        m = Mount(work / "m").start()   # (a fresh daemon: nothing cached in it)
+        try:
+            mount_read = cold_read(m.path / "a")
         finally:
             m.stop()
         os.environ["PFFS_STOCK_PYFUSE3"] = "1"
@@ -126,6 +167,18 @@ def main() -> int:
         for name, t, added, ok in rows:
             print(f"{name:46} {t:7.2f} {nbytes / t / 1e6:8.0f} {local / t:8.2f}x "
                   f"{'-' if added is None else added:>15}  {'ok' if ok else 'FAILED'}")
+        print("\nsnapshot of the local session (s, MB/s, stored ratio, vs borg):")
+        if borg_t is not None:
+            print(f"  borg create --compression zstd,3            {borg_t:7.2f} {nbytes / borg_t / 1e6:8.0f}"
+                  f"  {borg_ratio:.2f}x")
+        else:
+            print("  borg create: borg is not installed (apt install borgbackup)")
+        vs = f"{borg_t / snap:.2f}x borg" if borg_t else ""
+        print(f"  cp -r + sync into the mount                 {snap:7.2f} {nbytes / snap / 1e6:8.0f}"
+              f"  {snap_ratio:.2f}x  {vs}")
+        print(f"cold read of every page (cat > /dev/null, page cache dropped): local {local_read:.2f} s "
+              f"({nbytes / local_read / 1e6:.0f} MB/s), mount {mount_read:.2f} s "
+              f"({nbytes / mount_read / 1e6:.0f} MB/s) = {local_read / mount_read:.2f}x local")
         print(f"\npffs check --read-data: {check.stdout.strip().splitlines()[-1] if check.stdout else ''}"
               f" (exit {check.returncode})")
         return 0 if check.returncode == 0 and all(r[3] for r in rows) else 1
