@@ -109,7 +109,7 @@ def test_save_fork_and_load_through_a_mount(tmp_path, mount_factory):
         rid2 = e2.add(prompt, {"pffs_load": name}, max_tokens=1)
         e2.step()
         assert len(e2.loads) == 1 and e2.computed[rid2][0] == 32
-        e2.run(rid2)
+        assert e2.run(rid2) == {"pffs_loaded": 0}
         assert e2.free == free0
     mnt.stop()
     r = pffs("check", "--store", mnt.store, "--read-data", check=False)
@@ -143,6 +143,11 @@ def test_refusals_leave_the_block_pool_as_it_was(tmp_path, mount_factory):
     (mnt / "wide" / "manifest.json").write_text(json.dumps(other))
     pages = mnt / "wide" / "pages"
     refused(eng, tokens, {"pffs_load": "wide"}, "n_heads mismatch")
+    other = json.loads((mnt / "agent-a" / "manifest.json").read_bytes())
+    other["model"]["name"] = "someone/else"
+    pffs("fork", mnt / "agent-a", mnt / "elsewhere")
+    (mnt / "elsewhere" / "manifest.json").write_text(json.dumps(other))
+    refused(eng, tokens, {"pffs_load": "elsewhere"}, "model.name mismatch")
     pffs("fork", mnt / "agent-a", mnt / "holey")
     (mnt / "holey" / "pages" / "000001").unlink()
     refused(eng, tokens, {"pffs_load": "holey"}, "000001")
@@ -173,3 +178,21 @@ def test_a_page_that_fails_its_digest_is_computed_instead(tmp_path, mount_factor
     assert_holds_computed_kv(eng, rid, prompt, len(prompt))
     eng.run(rid)
     assert eng.free == free0
+
+
+def test_two_requests_saving_one_name_one_wins(tmp_path):
+    """Two requests that finish in the same step with the same pffs_save: the
+    first saves, the second is refused (the name is taken while the first's
+    page-out runs), and the pool gets every block back."""
+    eng = Engine(tmp_path, tmp_path)
+    free0 = eng.free
+    a = eng.add(PROMPT, {"pffs_save": "twin"}, max_tokens=2)
+    b = eng.add(PROMPT[::-1], {"pffs_save": "twin"}, max_tokens=2)
+    eng.run(a)
+    eng.run(b)
+    said = [eng.outputs[a], eng.outputs[b]]
+    assert said[0] == {"pffs_save": "twin", "pffs_saved": 41}
+    assert "exists" in said[1]["pffs_error"]
+    assert eng.free == free0
+    m = json.loads((tmp_path / "twin" / "manifest.json").read_bytes())
+    assert m["logical_seqs"][0]["token_ids"] == PROMPT + [7]

@@ -241,6 +241,8 @@ class PffsConnector(KVConnectorBase_V1):
         out = self._said.pop(rid, {})
         if plan is not None and plan.error:
             out["pffs_error"] = plan.error
+        elif plan is not None:
+            out.setdefault("pffs_loaded", 0)   # (no page matched, or vLLM's prefix cache held them)
         name = self._params(request).get(SAVE)
         if name is None:
             return False, out or None
