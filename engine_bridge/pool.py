@@ -127,15 +127,19 @@ class KVPool:
         if canon[0] != 2:
             raise ValueError(f"shape {tuple(first.shape)} is not {self.layout.name}: the K/V dimension is not 2")
         _, self.num_blocks, self.block_size, self.n_heads, self.head_dim = canon
+        self._describe(first, kv)
+        # Byte views in canonical order: [2, num_blocks, block_size, n_heads, head_dim * itemsize].
+        self._canon = [t.view(torch.uint8).permute(self.layout.to_canonical) for t in self.layers]
+        self._np: list | None = None
+
+    def _describe(self, first: torch.Tensor, kv: dict[str, Any] | None) -> None:
+        # dtype, device, layer count and kv conventions, from layer 0 and self.layers.
         self.dtype = first.dtype
         self.dtype_name = dtype_name(first.dtype)
         self.itemsize = DTYPE_SIZES[self.dtype_name]
         self.device = first.device
         self.n_layers = len(self.layers)
         self.kv = dict(DEFAULT_KV if kv is None else kv)
-        # Byte views in canonical order: [2, num_blocks, block_size, n_heads, head_dim * itemsize].
-        self._canon = [t.view(torch.uint8).permute(self.layout.to_canonical) for t in self.layers]
-        self._np: list | None = None
 
     @classmethod
     def allocate(cls, *, num_blocks: int, block_size: int, n_layers: int, n_heads: int,
@@ -269,12 +273,7 @@ class VllmKVPool(KVPool):
         self.layers = list(views)
         self.num_blocks, self.block_size, self.n_heads, self.head_dim = num_blocks, r * Nk, H, C // 2
         self.kernel_blocks_per_block = r
-        self.dtype = first.dtype
-        self.dtype_name = dtype_name(first.dtype)
-        self.itemsize = DTYPE_SIZES[self.dtype_name]
-        self.device = first.device
-        self.n_layers = len(self.layers)
-        self.kv = dict(DEFAULT_KV if kv is None else kv)
+        self._describe(first, kv)
         d = self.head_dim * self.itemsize
         # [B*r, H, Nk, 2*d] bytes -> [B, r, H, Nk, 2, d] -> canonical [2, B, r, Nk, H, d].
         self._canon = [t.view(torch.uint8).unflatten(0, (num_blocks, r)).unflatten(-1, (2, d))
