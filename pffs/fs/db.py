@@ -41,6 +41,10 @@ class WorkerPool:
         for t in self._threads:
             t.start()
 
+    @property
+    def size(self) -> int:
+        return len(self._threads)
+
     def _loop(self) -> None:
         while True:
             job = self._q.get()

@@ -175,8 +175,11 @@ class Prefetch:
         if not batch:
             return
         if self._in_batches:
-            self.workers.submit(functools.partial(self._prefetched_all, batch),
-                                   self._fetch_all, batch)
+            # One job per prefetch thread, so a refill decodes on every core.
+            k = max(1, min(self.workers.size, len(batch)))
+            for part in (batch[i::k] for i in range(k)):
+                self.workers.submit(functools.partial(self._prefetched_all, part),
+                                       self._fetch_all, part)
         else:
             for d in batch:
                 self.workers.submit(functools.partial(self.reader.prefetched, d),
