@@ -137,6 +137,43 @@ def check_manifest(manifest: Manifest, geometry: dict[str, Any], kv: dict[str, A
             raise ModelMismatch(f"model.{key}", a, b)
 
 
+def read_manifest(source: SessionSource) -> Manifest:
+    """Parse a source's manifest.json (InvalidSession / layout MismatchError)."""
+    try:
+        data = source.read_manifest()
+    except FileNotFoundError:
+        raise InvalidSession("no manifest.json") from None
+    except OSError as e:
+        raise InvalidSession(f"manifest.json: {e.strerror or e}") from None
+    try:
+        return parse(data)
+    except ManifestError as e:
+        if e.field == "layout":
+            raise MismatchError("layout", json.loads(data).get("layout"),
+                                SUPPORTED_LAYOUTS[0]) from None
+        raise InvalidSession(f"manifest.json: {e}") from None
+
+
+def check_present(source: SessionSource, manifest: Manifest) -> None:
+    """Refuse a session with a page missing or of the wrong size (IncompleteSession, WrongSizePage)."""
+    # Completeness and sizes from metadata, when the source can tell them.
+    size_of = getattr(source, "page_size", None)
+    if size_of is None:
+        return
+    missing, sizes = [], {}
+    for ix in range(len(manifest.pages)):
+        try:
+            sizes[ix] = size_of(ix)
+        except FileNotFoundError:
+            missing.append(ix)
+    if missing:
+        raise IncompleteSession(missing)
+    want = manifest.page_bytes
+    for ix, size in sizes.items():
+        if size != want:
+            raise WrongSizePage(ix, f"{size} bytes, the session's geometry makes pages of {want}")
+
+
 class _GivenBlocks:
     """An allocator that hands out blocks an engine already allocated, in order.
 
@@ -346,22 +383,6 @@ class Bridge:
 
     # ------------------------------------------------------------------ page in
 
-    def read_manifest(self, source: SessionSource) -> Manifest:
-        """Parse a source's manifest.json (InvalidSession / layout MismatchError)."""
-        try:
-            data = source.read_manifest()
-        except FileNotFoundError:
-            raise InvalidSession("no manifest.json") from None
-        except OSError as e:
-            raise InvalidSession(f"manifest.json: {e.strerror or e}") from None
-        try:
-            return parse(data)
-        except ManifestError as e:
-            if e.field == "layout":
-                raise MismatchError("layout", json.loads(data).get("layout"),
-                                    SUPPORTED_LAYOUTS[0]) from None
-            raise InvalidSession(f"manifest.json: {e}") from None
-
     def check(self, manifest: Manifest, *, force: bool = False) -> None:
         """Refuse a manifest whose pages mean something else in this pool (see :func:`check_manifest`)."""
         check_manifest(manifest, self.pool.geometry, self.pool.kv, self.model, force=force)
@@ -379,12 +400,12 @@ class Bridge:
         if allocator is None:
             raise ValueError("this bridge has no allocator: it can page out only")
         source = as_source(src)
-        manifest = self.read_manifest(source)
+        manifest = read_manifest(source)
         self.check(manifest, force=force)
         if accept is not None:
             accept(manifest)
         needed = sorted({ix for s in manifest.logical_seqs for ix in s.page_ixs})
-        self._check_present(source, manifest)
+        check_present(source, manifest)
         free = allocator.num_free()
         if free < len(needed):
             raise NoFreeBlocks(len(needed), free)
@@ -409,33 +430,15 @@ class Bridge:
         if len(page_ixs) != len(blocks) or len(set(page_ixs)) != len(page_ixs):
             raise ValueError("load_into needs one block per page and distinct pages")
         source = as_source(src)
-        manifest = self.read_manifest(source)
+        manifest = read_manifest(source)
         self.check(manifest, force=force)
         if page_ixs and not (0 <= min(page_ixs) and max(page_ixs) < len(manifest.pages)):
             raise InvalidSession(f"pages {min(page_ixs)}..{max(page_ixs)} not in a session of "
                                  f"{len(manifest.pages)} pages")
-        self._check_present(source, manifest)
+        check_present(source, manifest)
         with self._lock:
             self._load(source, manifest, list(page_ixs), _GivenBlocks(blocks))
         return manifest
-
-    def _check_present(self, source: SessionSource, manifest: Manifest) -> None:
-        # Completeness and sizes from metadata, when the source can tell them.
-        size_of = getattr(source, "page_size", None)
-        if size_of is None:
-            return
-        missing, sizes = [], {}
-        for ix in range(len(manifest.pages)):
-            try:
-                sizes[ix] = size_of(ix)
-            except FileNotFoundError:
-                missing.append(ix)
-        if missing:
-            raise IncompleteSession(missing)
-        want = manifest.page_bytes
-        for ix, size in sizes.items():
-            if size != want:
-                raise WrongSizePage(ix, f"{size} bytes, the session's geometry makes pages of {want}")
 
     def _read_verified(self, source: SessionSource, manifest: Manifest, ix: int,
                        row: np.ndarray, *, again: bool = False) -> None:

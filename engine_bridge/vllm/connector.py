@@ -43,9 +43,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from pffs.manifest import Manifest, ManifestError, parse
+from pffs.manifest import Manifest
 
-from ..bridge import Bridge, SeqBlocks, check_manifest, hf_config_sha256
+from ..bridge import Bridge, SeqBlocks, check_manifest, check_present, hf_config_sha256, read_manifest
+from ..direct import as_source
 from ..errors import BridgeError
 from ..pool import DEFAULT_KV, DTYPE_NAMES, BlockId, VllmKVPool
 
@@ -172,7 +173,10 @@ class PffsConnector(KVConnectorBase_V1):
         plan = _LoadPlan(str(name))
         try:
             folder = self._session(name)
-            manifest = parse((folder / "manifest.json").read_bytes())
+            if not folder.is_dir():
+                raise ValueError(f"{folder}: no such file or folder")
+            source = as_source(folder)
+            manifest = read_manifest(source)
             check_manifest(manifest, self.geometry, DEFAULT_KV, self.model)
             seq = self._seq_of(manifest, self._params(request).get("pffs_seq"))
             if seq.token_ids is None:
@@ -183,17 +187,11 @@ class PffsConnector(KVConnectorBase_V1):
             while n < limit and seq.token_ids[n] == prompt[n]:
                 n += 1
             pages = list(seq.page_ixs[:n // self.block_size])
-            want = manifest.page_bytes
-            for ix in range(len(manifest.pages)):
-                size = os.stat(folder / "pages" / f"{ix:06d}").st_size
-                if size != want:
-                    raise ValueError(f"page {ix:06d} holds {size} bytes, not {want}")
+            check_present(source, manifest)
             if len(set(pages)) != len(pages):
                 raise ValueError("the sequence lists a page twice")
             plan.page_ixs = pages
-        except FileNotFoundError as e:
-            plan.error = f"{LOAD} {name!r}: {e.filename}: no such file"
-        except (OSError, ValueError, ManifestError, BridgeError) as e:
+        except (OSError, ValueError, BridgeError) as e:
             plan.error = f"{LOAD} {name!r}: {e}"
         if plan.error:
             log.warning("request %s: %s", request.request_id, plan.error)
