@@ -98,6 +98,67 @@ def direct_sink(root: Path):
         yield lambda name: (m.path / name, m.path / name)
 
 
+class _Weed:
+    """One SeaweedFS for the run's S3 sinks (started on first use, stopped at exit)."""
+    server = None
+    made = 0
+
+    @classmethod
+    def bucket_url(cls, root: Path) -> str:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from seaweed import Seaweed, weed_problem
+        if cls.server is None:
+            problem = weed_problem()
+            if problem:
+                raise SystemExit(f"cannot start SeaweedFS: {problem}")
+            cls.server = Seaweed(Path(tempfile.mkdtemp(prefix="pffs-bridge-weed-")))
+            os.environ.update(cls.server.env())
+            cls.server.start()
+            import atexit
+            atexit.register(cls.server.stop)
+        cls.made += 1
+        return f"s3://{cls.server.make_bucket('bench')}/kv"
+
+
+@contextlib.contextmanager
+def _s3_mounted(root: Path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from seaweed import s3_mount_class
+    url = _Weed.bucket_url(root)
+    root.mkdir(parents=True)
+    m = s3_mount_class()(root, url).start()
+
+    def cold() -> None:
+        # Page-ins read from the bucket: the mount's frame cache emptied, the daemon restarted.
+        m.stop()
+        shutil.rmtree(m.store / "blobs", ignore_errors=True)
+        m.start()
+    try:
+        yield m, cold
+    finally:
+        rc = m.stop()
+        m.cleanup()
+        if rc != 0:
+            print(f"warning: the benchmark's pffs daemon exited {rc}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def s3_mount_sink(root: Path):
+    """A mount of an S3 store (SeaweedFS on loopback), every byte through FUSE; page-in cold."""
+    with _s3_mounted(root) as (m, cold):
+        yield lambda name: (DirSink(m.path / name), lambda: (cold(), DirSource(m.path / name))[1])
+
+
+@contextlib.contextmanager
+def s3_direct_sink(root: Path):
+    """The same, page bytes straight to and from the bucket (engine_bridge.direct); page-in cold."""
+    with _s3_mounted(root) as (m, cold):
+        access = store_access(m.path)
+        if access is None or access.kind != "s3":
+            raise SystemExit("the direct path is not open on the benchmark's S3 mount")
+        yield lambda name: (m.path / name, lambda: (cold(), m.path / name)[1])
+
+
 def store_sink(sink_cls):
     @contextlib.contextmanager
     def make(root: Path):
@@ -117,7 +178,11 @@ SINKS: dict[str, Callable[[Path], contextlib.AbstractContextManager]] = {
     "mount": mount_sink,
     "direct": direct_sink,
     "store": store_sink(StoreSessionSink),
+    "s3-mount": s3_mount_sink,
+    "s3-direct": s3_direct_sink,
 }
+#: Sinks measured only when asked for (they start a SeaweedFS server).
+ON_REQUEST = {"s3-mount", "s3-direct"}
 if not getattr(StoreSessionSink, "concurrent", False):
     SINKS["store-threads"] = store_sink(ConcurrentStoreSink)
 
@@ -156,11 +221,33 @@ def best_of(fn, repeat: int) -> float:
     return best
 
 
+def bucket_alone(frames: list[bytes], threads: int, total: int, repeat: int) -> list[tuple[str, float]]:
+    """Baselines of an S3 sink: plain boto3 put_object and get_object of the
+    same frames (compressed pages), one object a page, on as many threads as
+    an S3 store uploads on (its default upload_threads)."""
+    from pffs.store.s3 import DEFAULT_UPLOAD_THREADS
+    threads = DEFAULT_UPLOAD_THREADS
+    _Weed.bucket_url(Path(tempfile.gettempdir()))  # (the server up, its AWS variables set)
+    import boto3
+    client = boto3.client("s3")
+    bucket = _Weed.server.make_bucket("plain")
+    keys = [f"plain/{i:06d}" for i in range(len(frames))]
+    with ThreadPoolExecutor(threads) as ex:
+        t_put = best_of(lambda: list(ex.map(lambda i: client.put_object(Bucket=bucket, Key=keys[i],
+                                                                       Body=frames[i]),
+                                            range(len(frames)))), repeat)
+        t_get = best_of(lambda: list(ex.map(lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(),
+                                            keys)), repeat)
+    return [(f"baseline: boto3 put_object of the frames, {threads} threads (page bytes/s)", mbps(total, t_put)),
+            (f"baseline: boto3 get_object of the frames, {threads} threads (page bytes/s)", mbps(total, t_get))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pool-mib", type=int, default=512)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where sessions are written")
-    ap.add_argument("--sink", action="append", choices=sorted(SINKS), help="default: all")
+    ap.add_argument("--sink", action="append", choices=sorted(SINKS),
+                    help="default: all but " + ", ".join(sorted(ON_REQUEST)))
     ap.add_argument("--staging-mib", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
@@ -257,13 +344,16 @@ def main() -> int:
                 return time.perf_counter() - t0
 
             # The codec alone on the same threads, while no daemon starts up beside it.
-            sinks = args.sink or list(SINKS)
-            if any(x in ("direct", "store") for x in sinks):
+            sinks = args.sink or [x for x in SINKS if x not in ON_REQUEST]
+            if any(x in ("direct", "store", "s3-direct") for x in sinks):
                 t_enc[threads] = min(encode_alone() for _ in range(args.repeat))
-            if "direct" in sinks:
+            if any(x in ("direct", "s3-direct") for x in sinks):
                 t_dec[threads] = min(decode_alone() for _ in range(args.repeat))
+            if any(x.startswith("s3-") for x in sinks):
+                rows.extend(bucket_alone(frames, threads, total, args.repeat))
             for sink_name in sinks:
-                if threads != threads_list[0] and sink_name not in ("direct", "mount"):
+                if threads != threads_list[0] and sink_name not in ("direct", "mount", "s3-direct",
+                                                                    "s3-mount"):
                     continue
                 mode = ("held in staging" if num_blocks <= bridge.staging.capacity
                         else "larger than staging: verified, then streamed")
@@ -337,25 +427,26 @@ def main() -> int:
     for name, v in rows:
         print(f"  {name:<{width}}  {v:8.0f} MB/s")
     print()
-    for n in threads_list:
-        if ("direct", n) not in t_out:
-            continue
-        do, di = t_out["direct", n], t_in["direct", n]
-        line = [f"direct, {n} threads: page-out {mbps(total, do):.0f} MB/s"]
-        if n in t_enc:
-            line.append(f"= {t_enc[n] / do:.2f}x encode + sha256 alone")
-        if ("mount", n) in t_out:
-            line.append(f"= {t_out['mount', n] / do:.1f}x the mount path")
-        line.append(f"; page-in {mbps(total, di):.0f} MB/s")
-        if n in t_dec:
-            line.append(f"= {t_dec[n] / di:.2f}x decode + sha256 alone")
-        if ("mount", n) in t_in:
-            line.append(f"= {t_in['mount', n] / di:.1f}x the mount path")
-        print("  " + " ".join(line))
-    if len(threads_list) > 1 and ("direct", threads_list[0]) in t_out and ("direct", threads_list[-1]) in t_out:
-        a, b = threads_list[0], threads_list[-1]
-        print(f"  direct, {b} threads against {a}: page-out {t_out['direct', a] / t_out['direct', b]:.2f}x, "
-              f"page-in {t_in['direct', a] / t_in['direct', b]:.2f}x")
+    for direct, mount in (("direct", "mount"), ("s3-direct", "s3-mount")):
+        for n in threads_list:
+            if (direct, n) not in t_out:
+                continue
+            do, di = t_out[direct, n], t_in[direct, n]
+            line = [f"{direct}, {n} threads: page-out {mbps(total, do):.0f} MB/s"]
+            if n in t_enc:
+                line.append(f"= {t_enc[n] / do:.2f}x encode + sha256 alone")
+            if (mount, n) in t_out:
+                line.append(f"= {t_out[mount, n] / do:.1f}x the mount path")
+            line.append(f"; page-in {mbps(total, di):.0f} MB/s")
+            if n in t_dec:
+                line.append(f"= {t_dec[n] / di:.2f}x decode + sha256 alone")
+            if (mount, n) in t_in:
+                line.append(f"= {t_in[mount, n] / di:.1f}x the mount path")
+            print("  " + " ".join(line))
+        if len(threads_list) > 1 and (direct, threads_list[0]) in t_out and (direct, threads_list[-1]) in t_out:
+            a, b = threads_list[0], threads_list[-1]
+            print(f"  {direct}, {b} threads against {a}: page-out {t_out[direct, a] / t_out[direct, b]:.2f}x, "
+                  f"page-in {t_in[direct, a] / t_in[direct, b]:.2f}x")
 
     # Recompute versus restore, on the reference engine's own (tiny) model.
     print()

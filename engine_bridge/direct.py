@@ -17,10 +17,21 @@ names, in a constant number of requests:
   read through the mount, so every refusal reads as before), the rest
   straight from the store by digest.
 
+A mount of an S3 store offers the same: the bridge puts frames into the
+bucket (uploads in parallel on the store's upload threads, a HEAD first so a
+page the bucket holds is not sent again) and gets them back in parallel, from
+the mount's cache folder where it holds them, else from the bucket.  There is
+no gc lock to hold: the bucket's gc keeps every blob younger than its grace
+period, and puts back from its trash any blob a manifest names again (as for
+the mount's own puts).  The client brings its own credentials (the usual AWS
+variables or files); the daemon shares only the URL, endpoint, region and
+addressing.
+
 Either way the session, its bytes and digests are those the mount path gives.
-Anything else (not a pffs mount, ``engines/``, an S3 store, a store limit,
-another host, a uid without access, ``PFFS_DIRECT=0``) goes through the mount;
-a reason worth knowing is logged once.
+Anything else (not a pffs mount, ``engines/``, a store limit, another host, a
+uid without access to the store folder, a bucket this process cannot reach,
+``PFFS_DIRECT=0``) goes through the mount; a reason worth knowing is logged
+once.
 """
 
 from __future__ import annotations
@@ -31,16 +42,20 @@ import logging
 import os
 import shutil
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from pffs import codec as codec_mod
-from pffs.errors import CodecError, IntegrityError, MissingBlob
+from pffs.errors import CodecError, IntegrityError, MissingBlob, PffsError
 from pffs.manifest import MANIFEST_NAME, PAGES_DIR, Manifest, ManifestError, page_name, parse
 from pffs.store.local import LocalBlobStore
 from pffs.storedir import GcLock
 from pffs.types import Digest, digest_of
+
+if TYPE_CHECKING:
+    from pffs.store.s3 import S3BlobStore
 
 from .errors import DamagedPage, PageOutError
 from .sessions import (
@@ -62,6 +77,9 @@ STORE_XATTR = "user.pffs.store"
 FSTYPE = "fuse.pffs"
 
 
+Blobs = Union[LocalBlobStore, "S3BlobStore"]
+
+
 @dataclass
 class StoreAccess:
     """A mounted pffs whose store this process may use directly."""
@@ -69,8 +87,16 @@ class StoreAccess:
     root: Path
     codec: str
     info: dict = field(default_factory=dict)
+    #: The bucket of an S3 store (None: a local store folder at *root*).
+    bucket: "S3BlobStore | None" = None
 
-    def blobs(self) -> LocalBlobStore:
+    @property
+    def kind(self) -> str:
+        return "local" if self.bucket is None else "s3"
+
+    def blobs(self) -> Blobs:
+        if self.bucket is not None:
+            return self.bucket
         return LocalBlobStore(self.root, codec=self.codec)
 
 
@@ -187,6 +213,8 @@ def _probe(mp: str) -> StoreAccess | str:
         return f"the daemon speaks direct protocol {info.get('protocol')!r}, this bridge {PROTOCOL}"
     if not info.get("direct"):
         return info.get("reason") or "the daemon does not offer the direct path"
+    if info.get("kind") == "s3":
+        return _probe_s3(mp, info)
     if info.get("kind") != "local":
         return f"a store of kind {info.get('kind')!r}"
     root = Path(info["root"])
@@ -213,6 +241,35 @@ def _probe(mp: str) -> StoreAccess | str:
     if not os.access(some, os.W_OK | os.X_OK):
         return f"cannot write the store's blob folders ({some}) as uid {os.getuid()}"
     return StoreAccess(mp, root, info.get("codec") or codec_mod.DEFAULT_CODEC, info)
+
+
+def _probe_s3(mp: str, info: dict) -> StoreAccess | str:
+    """The bucket of an S3 mount if this process can use it (one request to learn so), else why not."""
+    try:
+        from pffs.store.framecache import PeekCache
+        from pffs.store.s3 import S3BlobStore, url_of
+    except ImportError as e:  # pragma: no cover - pffs[s3] not installed
+        return f"cannot use the bucket: {e}"
+    url = url_of(info.get("url"))
+    if url is None:
+        return f"store.json names no s3:// URL ({info.get('url')!r})"
+    options = {k: v for k, v in (info.get("options") or {}).items()
+               if k in ("endpoint", "region", "addressing") and isinstance(v, str)}
+    # The mount's cache folder, read only, where this host sees the daemon's.
+    cache = Path(info.get("cache") or "/nonexistent")
+    try:
+        st = os.stat(cache)
+        same = (st.st_dev, st.st_ino) == (info.get("dev"), info.get("ino"))
+    except OSError:
+        same = False
+    peek = PeekCache(cache if same else Path("/nonexistent/pffs-cache"))
+    try:
+        bucket = S3BlobStore(cache, url, options=options, codec=info.get("codec") or codec_mod.DEFAULT_CODEC,
+                             cache=peek)
+        bucket.server_time()  # one request: reachable, with these credentials
+    except PffsError as e:
+        return f"cannot reach the bucket as uid {os.getuid()}: {e}"
+    return StoreAccess(mp, cache, bucket.codec.name, info, bucket)
 
 
 def sink_for(dest: str | os.PathLike):
@@ -246,9 +303,11 @@ def _verdict(folder: Path) -> dict | None:
 class DirectSink:
     """Writes a session at *dest* in a pffs mount, page bytes straight into its store.
 
-    The store's gc lock is held shared from the first put until the pages are
-    all put, and every page is pinned until the session is named, so no gc
-    sweeps a page in between (see pffs.storedir.GcLock).
+    A local store: the gc lock is held shared from the first put until the
+    pages are all put, and every page is pinned until the session is named,
+    so no gc sweeps a page in between (see pffs.storedir.GcLock).  An S3
+    store: uploads run on the store's threads and are all in the bucket
+    before manifest.json is written (the mount's adoption looks them up).
     """
 
     concurrent = True
@@ -257,16 +316,22 @@ class DirectSink:
         self.dest, self.tmp = new_session_place(dest)
         self.access = access
         self.blobs = access.blobs()
-        # Puts with a batch skip their own fsyncs: see commit().
-        self.batch = self.blobs.batch()
-        gc = GcLock(access.root)
-        self.pins = gc.pin()
+        # Puts with a batch skip their own fsyncs (see commit()), or (S3) run
+        # on the upload threads until commit() waits for them.
+        self.batch: Any = self.blobs.batch()
+        self.pins: Any = None
+        self._hold: Any = None
+        gc = GcLock(access.root) if access.bucket is None else None
+        if gc is not None:
+            self.pins = gc.pin()
         try:
             os.mkdir(self.tmp)
             os.mkdir(self.tmp / PAGES_DIR)
-            self._hold = gc.hold_shared()
+            if gc is not None:
+                self._hold = gc.hold_shared()
         except BaseException:
-            self.pins.close()
+            if self.pins is not None:
+                self.pins.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
         self.digests: dict[int, Digest] = {}
@@ -275,8 +340,21 @@ class DirectSink:
 
     def write_page(self, ix: int, data: memoryview) -> Digest:
         d = digest_of(data)
-        self.pins.add((d,))
-        self.blobs.put(data, d, batch=self.batch)
+        if self.pins is not None:
+            self.pins.add((d,))
+        try:
+            bucket = self.access.bucket
+            if bucket is None:
+                self.blobs.put(data, d, batch=self.batch)
+            else:
+                # Whether the bucket holds the page already (a HEAD) is asked on the
+                # store's threads while this one compresses it.
+                head = bucket.pool.submit(bucket.stat, d)
+                frame = codec_mod.encode(data, bucket.codec)
+                if head.result() is None:
+                    bucket.put(data, d, batch=self.batch, frame=frame)
+        except PffsError as e:  # (the bucket: unreachable, refusing)
+            raise PageOutError(f"page {page_name(ix)}: {e}") from None
         self.digests[ix] = d
         return d
 
@@ -287,11 +365,18 @@ class DirectSink:
         manifest = self.manifest
         if manifest is None:
             raise PageOutError("commit before write_manifest")
+        if self.access.bucket is not None:
+            try:
+                self.batch.sync()  # every upload in the bucket before the mount looks
+            except PffsError as e:
+                raise PageOutError(f"pages not stored: {e}") from None
         # The daemon's commit of manifest.json takes the lock too, behind a
         # waiting gc: from here on the pins alone keep the pages.  It adopts
         # the blobs into its own group of fsyncs, done before the namespace
         # rows naming them are made durable (as for the blobs of its closes).
-        self._hold.release()
+        if self._hold is not None:
+            self._hold.release()
+            self._hold = None
         fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(manifest)
@@ -302,7 +387,8 @@ class DirectSink:
         self._fill_missing(manifest)
         rename_noreplace(self.tmp, self.dest)
         self._done = True
-        self.pins.close()
+        if self.pins is not None:
+            self.pins.close()
 
     def _fill_missing(self, manifest: bytes) -> None:
         """Pages the daemon did not make appear (it refused a frame): write them through the mount."""
@@ -318,7 +404,7 @@ class DirectSink:
                 continue
             try:
                 data = self.blobs.get(Digest(m.pages[ix]))
-            except (IntegrityError, OSError) as e:
+            except (IntegrityError, PffsError, OSError) as e:
                 raise PageOutError(f"page {page_name(ix)}: its blob could not be read back from the"
                                    f" store ({e})") from None
             with open(p, "wb") as f:
@@ -328,8 +414,16 @@ class DirectSink:
 
     def abort(self) -> None:
         if not self._done:
-            self._hold.release()
-            self.pins.close()
+            if self._hold is not None:
+                self._hold.release()
+                self._hold = None
+            if self.access.bucket is not None:
+                try:
+                    self.batch.sync()  # no upload outlives the page-out (what landed, gc takes)
+                except PffsError:
+                    pass
+            if self.pins is not None:
+                self.pins.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
             self._done = True
 
@@ -339,19 +433,31 @@ class DirectSource:
 
     Pages the daemon does not vouch for (missing, changed, not one blob) are
     read through the mount, so the bridge's refusals name them as before.
+    From a bucket, the frames of the next pages are fetched ahead on the
+    store's threads (a window of them, however large the session), each from
+    the mount's cache folder where it holds it, else from the bucket.
     """
 
     def __init__(self, path: str | os.PathLike, access: StoreAccess):
         self.path = Path(path)
         self.mount = DirSource(path)
         self.blobs = access.blobs()
+        self.bucket = access.bucket
         self._manifest: Manifest | None = None
         self._good: frozenset[int] = frozenset()
+        self._page_size: int | None = None
+        # (S3) frames fetched ahead: page index → future of (frame, from the cache)
+        self._ahead: dict[int, Future] = {}
+        self._order: list[int] = []
+        self._next = 0
+        self._ahead_lock = threading.Lock()
+        self.window = 2 * self.bucket.threads if self.bucket is not None else 0
 
     def read_manifest(self) -> bytes:
         data = self.mount.read_manifest()
         v = _verdict(self.path)
-        self._manifest, self._good = None, frozenset()
+        self._manifest, self._good, self._page_size = None, frozenset(), None
+        self._cancel_ahead()
         if v is None or v.get("manifest") != digest_of(data) or v.get("more"):
             return data
         try:
@@ -360,6 +466,9 @@ class DirectSource:
             return data
         self._manifest = m
         self._good = frozenset(range(len(m.pages))) - set(v.get("bad", ()))
+        size = v.get("page_size")
+        self._page_size = size if isinstance(size, int) else None
+        self._order = sorted(self._good)
         return data
 
     def _digest(self, ix: int) -> Digest | None:
@@ -370,25 +479,76 @@ class DirectSource:
         d = self._digest(ix)
         if d is None:
             return self.mount.page_size(ix)
+        if self._page_size is not None:
+            return self._page_size  # (the daemon vouches that every good page's file has it)
         try:
             return self.blobs.header(d).raw_len
         except MissingBlob:
             return self.mount.page_size(ix)  # (its file went since: the mount says so)
         except IntegrityError as e:
             raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
+        except PffsError as e:
+            raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
+
+    # -- frames from a bucket, fetched ahead ---------------------------------
+
+    def _fetch(self, d: Digest) -> tuple[bytes, bool]:
+        assert self.bucket is not None
+        frame = self.bucket.cache.get(d)
+        if frame is not None:
+            return frame, True
+        return self.bucket.download(d), False
+
+    def _frame(self, ix: int, d: Digest) -> tuple[bytes, bool]:
+        """The frame of good page *ix* (and fetches of the pages after it started)."""
+        bucket = self.bucket
+        if bucket is None:
+            return self.blobs.get_frame(d), False
+        with self._ahead_lock:
+            fut = self._ahead.pop(ix, None)
+            # Keep a window of fetches running past the pages asked for so far.
+            while self._next < len(self._order) and len(self._ahead) < self.window:
+                j = self._order[self._next]
+                self._next += 1
+                if j != ix and j not in self._ahead:
+                    dj = self._digest(j)
+                    if dj is not None:
+                        self._ahead[j] = bucket.pool.submit(self._fetch, dj)
+        if fut is not None:
+            return fut.result()
+        return self._fetch(d)
+
+    def _cancel_ahead(self) -> None:
+        with self._ahead_lock:
+            ahead, self._ahead = self._ahead, {}
+            self._order, self._next = [], 0
+        for f in ahead.values():
+            f.cancel()
 
     def read_page_into(self, ix: int, out: memoryview) -> int:
         d = self._digest(ix)
         if d is None:
             return self.mount.read_page_into(ix, out)
         try:
-            frame = self.blobs.get_frame(d)
+            frame, cached = self._frame(ix, d)
         except MissingBlob:
             return self.mount.read_page_into(ix, out)
+        except PffsError as e:
+            raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
         try:
             # The bridge checks the sha256 of what lands in *out*.
             return codec_mod.decode_into(frame, out, check_crc=False)
         except CodecError as e:
+            if not cached:
+                raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
+        # A damaged frame in the mount's cache: the bucket has the blob.
+        assert self.bucket is not None
+        try:
+            frame = self.bucket.download(d)
+            return codec_mod.decode_into(frame, out, check_crc=False)
+        except MissingBlob:
+            return self.mount.read_page_into(ix, out)
+        except (CodecError, PffsError) as e:
             raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
 
     def why_mismatch(self, ix: int) -> str | None:
@@ -406,6 +566,8 @@ class DirectSource:
             return self.mount.read_page(ix)
         except IntegrityError as e:
             raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
+        except PffsError as e:
+            raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
 
     def page_digest(self, ix: int) -> Digest | None:
         d = self._digest(ix)

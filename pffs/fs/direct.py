@@ -12,7 +12,12 @@ puts and gets blob frames itself and uses the mount only for names (see
   metadata-only fork makes every page file appear;
 - :func:`page_verdict` (the ``user.pffs.pages`` xattr of a session folder)
   says in one request which page files do not hold the blob their manifest
-  lists, so a reader may take every other page straight from the store.
+  lists (and the size the others share), so a reader may take every other
+  page straight from the store.
+
+The same holds for an S3 store: a client puts frames into the bucket and
+gets them from it (or from the mount's cache folder), and the mount's
+adoption (pffs.lease.RemoteMount.adopt) looks up the pages it lacks.
 """
 
 from __future__ import annotations
@@ -46,20 +51,28 @@ VERDICT_MAX = 256
 
 def store_info(store, opts) -> dict:
     """The content of ``.pffs/store.json``: where the store is and whether a client
-    may use it directly (``direct``; else ``reason`` says why not)."""
+    may use it directly (``direct``; else ``reason`` says why not).
+
+    A local store gives its folder; an S3 store its URL, the client options
+    worth sharing (endpoint, region, addressing: never credentials, which a
+    client brings itself) and the mount's cache folder, whose frames a
+    client on this host may read.
+    """
     info: dict = {"protocol": PROTOCOL, "pid": os.getpid()}
     root = store.root
     st = os.stat(root)
-    if isinstance(store.blobs, LocalBlobStore):
-        info.update(kind="local", root=str(root), blobs=str(store.blobs.blob_root),
-                    pins=str(root / "pins"), codec=store.blobs.codec.name,
+    blobs = store.blobs
+    if isinstance(blobs, LocalBlobStore):
+        info.update(kind="local", root=str(root), blobs=str(blobs.blob_root),
+                    pins=str(root / "pins"), codec=blobs.codec.name,
                     dev=st.st_dev, ino=st.st_ino)
     else:
-        info.update(kind="s3", url=store.url, cache=str(root), dev=st.st_dev, ino=st.st_ino)
+        info.update(kind="s3", url=store.url, cache=str(root), cache_blobs=str(blobs.cache.store.blob_root),
+                    codec=blobs.codec.name, dev=st.st_dev, ino=st.st_ino,
+                    options={k: v for k, v in (("endpoint", blobs.endpoint), ("region", blobs.region),
+                                               ("addressing", blobs.addressing)) if v})
     reason = None
-    if info["kind"] != "local":
-        reason = "the store keeps its blobs in a bucket: pages go through the mount"
-    elif opts.max_size is not None:
+    if opts.max_size is not None:
         reason = "the mount has a store limit (max_size), which only the daemon enforces"
     info["direct"] = reason is None
     if reason is not None:
@@ -150,6 +163,12 @@ def page_verdict(conn: sqlite3.Connection, session_dir: int, dirty: set[int]) ->
     if ns.recorded_count(conn, digest) != n_pages:
         return None  # its page list lacks rows: nothing to check against
     out = {"manifest": digest, "pages": n_pages, "bad": [], "more": False}
+    # The size every good page's file has, when they all have one (they do
+    # in any session an engine wrote): a reader then needs no look per page.
+    sizes = conn.execute("SELECT DISTINCT b.raw_size FROM manifest_pages p JOIN blobs b ON b.digest = p.digest"
+                         " WHERE p.manifest=? LIMIT 2", (digest,)).fetchall()
+    if len(sizes) == 1:
+        out["page_size"] = sizes[0][0]
     pdir = ns.lookup(conn, session_dir, mf.PAGES_DIR.encode())
     if pdir is None:
         out["bad"] = list(range(min(n_pages, VERDICT_MAX)))

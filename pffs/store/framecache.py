@@ -115,3 +115,40 @@ class FrameCache:
     def __contains__(self, digest: str) -> bool:
         with self._lock:
             return digest in self._index()
+
+
+class PeekCache:
+    """Another process's frame cache, read only: for a client beside a mount.
+
+    An engine's bridge reads the frames the mount's daemon keeps in its cache
+    folder (so a page the mount holds is not fetched again) but never writes
+    or evicts there: only the daemon keeps that cache's accounting.  Frames
+    are verified by their reader like any blob.
+    """
+
+    limit = 0
+
+    def __init__(self, root: Path):
+        self.store = LocalBlobStore(root)
+
+    def _read(self, digest: Digest, n: int = -1) -> bytes | None:
+        try:
+            with open(self.store.path(digest), "rb") as f:
+                return f.read(n)
+        except OSError:
+            return None
+
+    def get(self, digest: Digest) -> bytes | None:
+        return self._read(digest)
+
+    def head(self, digest: Digest) -> bytes | None:
+        return self._read(digest, codec_mod.HEADER_SIZE)
+
+    def put(self, digest: Digest, frame: bytes) -> None:
+        pass
+
+    def discard(self, digest: Digest) -> None:
+        pass
+
+    def __contains__(self, digest: str) -> bool:
+        return self.store.path(Digest(digest)).exists()

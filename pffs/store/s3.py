@@ -38,7 +38,7 @@ from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
 from ..namespace import BlobRow
 from ..types import Digest, digest_hex, digest_of, is_digest
-from .framecache import FrameCache
+from .framecache import FrameCache, PeekCache
 from .local import PutResult, decode_verified
 from .s3client import DOWN_HOLD, S3Requests, _status
 from .s3config import (
@@ -134,7 +134,8 @@ class S3BlobStore(S3Requests):
     remote = True       # (pffs.store.base.BlobStore)
 
     def __init__(self, root: str | os.PathLike, url: str, *, options: dict | None = None,
-                 codec: str = codec_mod.DEFAULT_CODEC, max_raw: int = codec_mod.MAX_RAW):
+                 codec: str = codec_mod.DEFAULT_CODEC, max_raw: int = codec_mod.MAX_RAW,
+                 cache: "FrameCache | PeekCache | None" = None):
         opts = options or {}
         self.root = Path(root)
         self.url = url
@@ -146,7 +147,9 @@ class S3BlobStore(S3Requests):
         # Set by a mount: whether its namespace knows the digest (then a HEAD
         # before the upload is worth it, however small the blob).
         self.likely_stored: Callable[[str], bool] | None = None
-        self.cache = FrameCache(self.root, DEFAULT_CACHE)
+        # A mount's own LRU cache of frames, or (a client beside a mount) a
+        # read-only look into the mount's.
+        self.cache: FrameCache | PeekCache = cache if cache is not None else FrameCache(self.root, DEFAULT_CACHE)
         self.endpoint = opts.get("endpoint") or None
         self.region = opts.get("region") or None
         self.access_key = opts.get("access_key") or None
@@ -407,6 +410,10 @@ class S3BlobStore(S3Requests):
                 self._restore(digest)
             return frame
         raise MissingBlob(digest, f"not in {self.url}")
+
+    def download(self, digest: Digest) -> bytes:
+        """The frame of *digest* from the bucket (or its trash), never from the cache."""
+        return self._download(digest)
 
     def get_frame(self, digest: Digest) -> bytes:
         frame = self.cache.get(digest)
