@@ -66,6 +66,27 @@ def test_cp_r_of_a_session_within_the_mount_shares_its_blobs(mnt, bf16_pages, tm
 
 
 @needs_patch
+def test_cp_r_within_the_mount_decodes_no_blob(mnt, bf16_pages):
+    """cp opens every source file and copies it with copy_file_range, never
+    reading it: no blob is fetched ahead for it (read-ahead starts at a
+    reader's first read, not at its open), and none is fetched but the
+    manifest's, whose bytes are copied; a reader still gets its read-ahead."""
+    pages = varied_pages(bf16_pages, 40)
+    write_session(mnt / "a", pages)
+    (mnt / "a" / "notes.bin").write_bytes(os.urandom(1 << 20))
+    assert mnt.stop() == 0
+    mnt.start()     # (nothing decoded in the daemon's cache)
+    before = stats(mnt)["cache"]
+    run("cp", "-r", mnt / "a", mnt / "b")
+    after = stats(mnt)["cache"]
+    assert after["prefetched"] == before["prefetched"]
+    assert after["fetched_by_reads"] - before["fetched_by_reads"] <= 1     # manifest.json
+    subprocess.run(["cat", *[mnt / "b" / "pages" / n for n in sorted(os.listdir(mnt / "b" / "pages"))]],
+                   stdout=subprocess.DEVNULL, check=True, timeout=300)
+    assert stats(mnt)["cache"]["prefetched"] > after["prefetched"]
+
+
+@needs_patch
 def test_copy_file_range_of_parts_and_of_files_being_written(mnt):
     """Ranges that are not a whole file, a source still being written, a target
     that is not empty: the bytes a copy would give, and the counts."""

@@ -62,6 +62,7 @@ class BlobReader:
         self._path_of = path_of
         self.loading: dict[str, trio.Event] = {}
         self.fetched_by_reads = 0  # blobs a read had to fetch itself: neither cached nor prefetched
+        self.prefetched_blobs = 0  # blobs the prefetcher fetched ahead of readers
 
     async def blob(self, digest: str, ino: int) -> bytes:
         """The bytes of *digest*, read for inode *ino* (EIO if damaged)."""
@@ -98,6 +99,7 @@ class BlobReader:
         """A blob the prefetcher fetched, or failed to (the reader's own fetch
         then reports why)."""
         if isinstance(fetched, outcome.Value):
+            self.prefetched_blobs += 1
             self.cache.put(digest, fetched.value)
         ev = self.loading.pop(digest, None)
         if ev is not None:

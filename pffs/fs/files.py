@@ -59,6 +59,9 @@ class OpenFile:
     writable: bool
     uid: int
     gid: int
+    # Read ahead of this reader at its first read (not at its open: a copy
+    # with copy_file_range opens its source and never reads it).
+    read_ahead: bool = False
 
 
 async def copy_pieces(read, fh_in: int, off_in: int, write, fh_out: int, off_out: int,
@@ -130,7 +133,7 @@ class Files:
         # (The kernel sends opendir, never open, for a directory.)
         fh = self.open_handle(inode, flags, ctx)
         if self.nursery is not None and (flags & os.O_ACCMODE) != os.O_WRONLY:
-            self.prefetch.after_open(inode)
+            self.handles[fh].read_ahead = True
         if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
             # libfuse asks for atomic O_TRUNC: the truncation arrives here, and
             # is staged like a write (a refused manifest keeps its old bytes).
@@ -149,6 +152,9 @@ class Files:
 
     async def read(self, fh, off, size):
         of = self.handles[fh]
+        if of.read_ahead:
+            of.read_ahead = False
+            self.prefetch.after_open(of.ino)
         st = self.inodes.states.get(of.ino)
         if st is not None and st.staging is not None:
             async with st.lock:
@@ -299,6 +305,7 @@ class Files:
         src, dst = self.handles.get(fh_in), self.handles.get(fh_out)
         if src is None or dst is None or not dst.writable:
             raise FUSEError(errno.EBADF)
+        src.read_ahead = False  # (a copy reads what it copies, nothing beyond)
         if length == 0:
             return 0
         if off_in == 0 and off_out == 0 and src.ino != dst.ino:

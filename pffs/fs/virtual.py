@@ -80,7 +80,8 @@ class PffsTree(Tree):
             figures = dict(self._stats[1])
             cache = self.reader.cache
             figures["cache"] = {"bytes": cache.used, "hits": cache.hits, "misses": cache.misses,
-                                "fetched_by_reads": self.reader.fetched_by_reads}
+                                "fetched_by_reads": self.reader.fetched_by_reads,
+                                "prefetched": self.reader.prefetched_blobs}
             figures["requests"] = dict(sorted(self.requests.items()))
             figures["copies"] = dict(self.copies)
             return (json.dumps(figures, indent=2) + "\n").encode()
