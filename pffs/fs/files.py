@@ -180,7 +180,8 @@ class Files:
         for bn in range(off // BLOCK_SIZE, (end - 1) // BLOCK_SIZE + 1):
             data = await self.reader.blob(blocks[bn], of.ino)
             base = bn * BLOCK_SIZE
-            out.append(data[max(off, base) - base:min(end, base + len(data)) - base])
+            # A view: the reply is written from the cached blob, no copy made here.
+            out.append(memoryview(data)[max(off, base) - base:min(end, base + len(data)) - base])
         return out[0] if len(out) == 1 else b"".join(out)
 
     async def _read_staged(self, ino: int, stg: Staging, off: int, end: int) -> bytes:
