@@ -29,13 +29,19 @@ from __future__ import annotations
 import re
 import struct
 import threading
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
 from .errors import CodecError
+
+try:
+    # The same checksum as zlib's, computed with the CPU's carry-less multiply:
+    # about ten times zlib's speed (a 2 MiB page: 0.04 ms against 0.4-1 ms).
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; still correct without it
+    from zlib import crc32
 
 MAGIC = b"PFB1"
 HEADER = struct.Struct("<4sBbHQI")
@@ -250,7 +256,7 @@ def encode(data, codec: Codec | str = DEFAULT_CODEC) -> bytes:
     n = len(raw)
     if n > MAX_RAW:
         raise CodecError(f"blob of {n} bytes exceeds the {MAX_RAW}-byte frame limit")
-    crc = zlib.crc32(raw)
+    crc = crc32(raw)
     if codec.id != CODEC_RAW and n >= PROBE_FROM and not any(
             _gains(raw[at:at + PROBE], codec) for at in range(0, n - PROBE + 1, n // PROBES)):
         codec = _RAW     # (a large block of which no sample compresses: random bytes)
@@ -300,7 +306,7 @@ def decode(frame, max_raw: int = MAX_RAW, *, check_crc: bool = True) -> bytes:
         raw = _zstd_decode(payload, hdr.raw_len)
     else:
         raw = _decode_planes(payload, hdr.flags, hdr.raw_len)
-    if check_crc and zlib.crc32(raw) != hdr.crc32:
+    if check_crc and crc32(raw) != hdr.crc32:
         raise CodecError("crc32 of the decoded bytes does not match the header")
     return raw
 
@@ -326,6 +332,6 @@ def decode_into(frame, out, *, check_crc: bool = True) -> int:
         w |= np.frombuffer(lo, dtype=np.uint8)
     else:
         dst[:] = decode(frame, max(hdr.raw_len, 1), check_crc=False)
-    if check_crc and zlib.crc32(dst) != hdr.crc32:
+    if check_crc and crc32(dst) != hdr.crc32:
         raise CodecError("crc32 of the decoded bytes does not match the header")
     return hdr.raw_len

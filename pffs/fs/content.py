@@ -14,6 +14,7 @@ import functools
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import pyfuse3
 import trio
 
+from .. import codec as codec_mod
 from .. import manifest as mf
 from ..errors import StoreFull
 from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
@@ -30,6 +32,12 @@ from ..storedir import GcLock
 from ..types import Digest, digest_of
 from .db import WorkerPool
 from .staging import Staging
+
+# Blocks compressed beside their hashing (see ContentStore._hash_and_put):
+# page-sized ones; smaller ones are not worth the hand-off, and large blocks
+# keep to the block budget's one buffer each.
+SPECULATE_MIN = 64 << 10
+SPECULATE_MAX = 8 << 20
 
 
 @dataclass
@@ -106,6 +114,8 @@ class ContentStore:
         # Commits of closed files: hashing, compression, blob writes, the namespace row.
         self.width = threads or max(2, os.cpu_count() or 2)
         self.workers = WorkerPool(self.width, "pffs-commit")
+        # Compressions of page-sized blocks beside their commit's hashing.
+        self.encoders = ThreadPoolExecutor(self.width, thread_name_prefix="pffs-encode")
         self.max_size = max_size
         # Stored bytes, for max_size: changed by commit threads and the daemon's
         # recount, always under _count_lock (add_stored, recounted).
@@ -149,6 +159,8 @@ class ContentStore:
         self.width = n
         self.workers = WorkerPool(n, "pffs-commit")
         self.limiter = trio.CapacityLimiter(n)
+        self.encoders.shutdown()
+        self.encoders = ThreadPoolExecutor(n, thread_name_prefix="pffs-encode")
 
     async def store(self, stg: Staging, *, parse_manifest: bool, then=None):
         """Store the staged bytes; then, in the same worker thread, ``then(stored)``.
@@ -249,8 +261,10 @@ class ContentStore:
                     continue
             with self.block_budget.hold(n):
                 data = stg.view(bn)
-                d = first if bn == 0 and first is not None else digest_of(data)
-                blocks.append(self._put(data, d, batch, rows))
+                if bn == 0 and first is not None:
+                    blocks.append(self._put(data, first, batch, rows))
+                else:
+                    blocks.append(self._hash_and_put(data, batch, rows))
                 del data
         if self.sync_on_close:
             batch.sync()
@@ -285,12 +299,30 @@ class ContentStore:
         """A blob's bytes, decoded and verified (a large one within the block budget)."""
         return self.blobs.get(digest, hold=self.block_budget.hold)
 
-    def _put(self, data, d: str, batch, rows: list[BlobRow]) -> str:
+    def _hash_and_put(self, data, batch, rows: list[BlobRow]) -> str:
+        """Store one block's bytes under their digest; returns it.
+
+        A page-sized block is compressed on a helper thread while this one
+        hashes it, so a commit takes the longer of the two rather than their
+        sum (a page file's close waits for its commit); the frame is used
+        only if the blob is new.
+        """
+        n = memoryview(data).nbytes
+        if not SPECULATE_MIN <= n <= SPECULATE_MAX:
+            return self._put(data, digest_of(data), batch, rows)
+        fut = self.encoders.submit(codec_mod.encode, data, self.blobs.codec)
+        try:
+            return self._put(data, digest_of(data), batch, rows, frame=fut.result)
+        finally:
+            fut.cancel()
+            wait([fut])     # (the staged bytes are not read once the commit goes on)
+
+    def _put(self, data, d: str, batch, rows: list[BlobRow], frame=None) -> str:
         """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""
         if self.max_size is not None and not self.blobs.contains(Digest(d)) \
                 and not self._room_for(len(data)):
             raise StoreFull(f"store limit of {self.max_size} bytes reached")
-        r = self.blobs.put(data, Digest(d), batch=batch)
+        r = self.blobs.put(data, Digest(d), batch=batch, frame=frame)
         if not r.existed:
             self.add_stored(r.stored_size)
         rows.append(BlobRow(d, len(data), r.stored_size, r.codec))

@@ -31,6 +31,8 @@ class BlobStore(Protocol):
     remote: bool
     #: The folder the store's local files live in (statfs reports its disk).
     root: Path
+    #: The codec new blobs are written with.
+    codec: codec_mod.Codec
 
     def contains(self, digest: Digest) -> bool: ...
 
