@@ -47,10 +47,11 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from pffs.live import protocol
+from pffs.manifest import ManifestError
 from pffs.types import Digest
 
 from .bridge import SUPPORTED_LAYOUTS, Bridge, SeqBlocks
-from .direct import as_source
+from .direct import BlobSource, as_source, store_access
 from .errors import BridgeError, PageInError
 from .pool import BlockId
 from .sessions import SessionSource
@@ -365,7 +366,8 @@ class Agent:
         rid, op = msg.get("id"), msg.get("op")
         try:
             handlers = {"list": self._list, "snapshot": self._snapshot, "gather": self._gather,
-                        "page_in": self._page_in, "save": self._save, "load": self._load}
+                        "page_in": self._page_in, "load_blobs": self._load_blobs, "save": self._save,
+                        "load": self._load}
             fn = handlers.get(op) if op is not None else None
             if fn is None:
                 raise protocol.Refused(errno.EINVAL, f"unknown request {op!r}")
@@ -526,6 +528,29 @@ class Agent:
             else:
                 del self.groups[group]
         self.groups[name] = list(ids)
+
+    def _load_blobs(self, msg, fds) -> dict[str, Any]:
+        """A session copied into the engine's folder whose pages are all blobs of
+        the mount's store: read them from the store (the direct path), as a
+        page-in of the session's manifest (in the memfd) would."""
+        name, mount = msg.get("name"), msg.get("mount")
+        sizes = [int(s) for s in msg.get("sizes", [])]
+        mlen = int(msg.get("manifest_bytes", 0))
+        if len(fds) != 1 or mlen <= 0 or not isinstance(name, str) or not isinstance(mount, str):
+            raise protocol.Refused(errno.EINVAL, "a load_blobs needs a name, a mount, and the manifest in a memfd")
+        access = store_access(mount) if os.path.isabs(mount) else None
+        if access is None:
+            raise protocol.Refused(errno.ENOTSUP, "this engine cannot read the mount's store directly")
+        manifest = os.pread(fds[0], mlen, 0)
+        try:
+            source = BlobSource(manifest, sizes, access)
+        except ManifestError as e:
+            raise protocol.Refused(errno.EINVAL, f"manifest.json: {e}") from None
+        with self.adapter.lock:
+            ids = self.adapter.page_in(source)
+            self._group(name, ids)
+        log.info("paged in %s from the store: sequences %s", name, ", ".join(ids))
+        return {"seqs": ids}
 
     def _page_in(self, msg, fds) -> dict[str, Any]:
         name = msg.get("name")

@@ -574,6 +574,63 @@ class DirectSource:
         return d if d is not None else self.mount.page_digest(ix)
 
 
+class BlobSource:
+    """A session whose every page is the blob its manifest names, read from a
+    mount's store by those names (the pages of a session copied into
+    ``engines/E/`` whole from the mount: pffs.live's ``load_blobs``).
+
+    *sizes* are the page files' sizes the daemon gives; the bridge checks
+    every page's sha256 against the manifest as always, so a blob that is
+    missing or damaged is refused naming its page, never loaded.
+    """
+
+    def __init__(self, manifest: bytes, sizes: list[int], access: StoreAccess):
+        self.manifest = bytes(manifest)
+        self.pages = parse(self.manifest).pages
+        self.sizes = list(sizes)
+        self.blobs = access.blobs()
+        self.bucket = access.bucket
+
+    def read_manifest(self) -> bytes:
+        return self.manifest
+
+    def page_size(self, ix: int) -> int:
+        if not 0 <= ix < len(self.sizes):
+            raise FileNotFoundError(f"page {page_name(ix)}")
+        return self.sizes[ix]
+
+    def _frame(self, ix: int) -> bytes:
+        d = Digest(self.pages[ix])
+        try:
+            if self.bucket is not None:
+                frame = self.bucket.cache.get(d)
+                return frame if frame is not None else self.bucket.download(d)
+            return self.blobs.get_frame(d)
+        except MissingBlob:
+            raise DamagedPage(ix, f"its blob {d} is not in the store") from None
+        except PffsError as e:
+            raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
+
+    def read_page_into(self, ix: int, out: memoryview) -> int:
+        try:
+            # The bridge checks the sha256 of what lands in *out*.
+            return codec_mod.decode_into(self._frame(ix), out, check_crc=False)
+        except CodecError as e:
+            raise DamagedPage(ix, f"its blob {self.pages[ix]} in the store is damaged: {e}") from None
+
+    def read_page(self, ix: int) -> bytes:
+        try:
+            return codec_mod.decode(self._frame(ix), check_crc=False)
+        except CodecError as e:
+            raise DamagedPage(ix, f"its blob {self.pages[ix]} in the store is damaged: {e}") from None
+
+    def why_mismatch(self, ix: int) -> str | None:
+        return f"its blob {self.pages[ix]} in the store is damaged (its bytes' sha256 differs)"
+
+    def page_digest(self, ix: int) -> Digest | None:
+        return Digest(self.pages[ix])
+
+
 def as_sink(dest: SinkLike) -> SessionSink:
     """A sink for *dest*: itself if it is one; for a path a DirSink, or a
     :class:`DirectSink` in a pffs mount that allows it."""

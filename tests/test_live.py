@@ -36,6 +36,10 @@ PROMPT = [(29 * i + 7) % 512 for i in range(53)]
 DEADLINE = 60.0
 
 
+def stats(mnt) -> dict:
+    return json.loads((mnt / ".pffs" / "stats.json").read_text())
+
+
 def requests(mnt) -> dict[str, int]:
     """FUSE requests the daemon has served, by operation (.pffs/stats.json)."""
     return json.loads((mnt / ".pffs" / "stats.json").read_text())["requests"]
@@ -44,14 +48,16 @@ def requests(mnt) -> dict[str, int]:
 class EngineProc:
     """A reference engine in its own process, attached to a mount, driven over its stdin/stdout."""
 
-    def __init__(self, mnt, name: str, *, blocks: int = 256, staging: str = "1M", seed: int = SEED):
+    def __init__(self, mnt, name: str, *, blocks: int = 256, staging: str = "1M", seed: int = SEED,
+                 env: dict[str, str] | None = None):
         self.name = name
         self.stderr_path = mnt.path.parent / f"engine-{name}-{time.monotonic_ns()}.txt"
         self._err = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine_bridge.agent", str(mnt.path), "--name", name, "--control",
              "--blocks", str(blocks), "--staging", staging, "--seed", str(seed)],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+            env={**os.environ, **(env or {})})
         self._buf = b""
         self.hello = None
 
@@ -188,12 +194,18 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
 
     # Copied into a second engine, it becomes one of that engine's live sessions ...
     assert listing(mnt / "engines/e2") == []
+    copies = stats(mnt)["copies"]
     before = requests(mnt)
     run("cp", "-r", mnt / "snap", mnt / "engines/e2/")
     moved = {k: v - before.get(k, 0) for k, v in requests(mnt).items()}
     if COPY_RANGE:
         assert moved.get("copy_file_range", 0) >= n_pages + 1
         assert moved.get("write", 0) == 0 and moved.get("read", 0) <= 2   # (stats.json's own)
+        # Each page went as its blob's name; e2 read them from the store itself.
+        copied = {k: v - copies[k] for k, v in stats(mnt)["copies"].items()}
+        assert copied == {"shared_bytes": sum(os.path.getsize(p) for p in (mnt / "snap/pages").iterdir()),
+                          "copied_bytes": os.path.getsize(mnt / "snap/manifest.json")}
+        assert "engines/e2/snap: paged in from the store" in mnt.log_text()
     assert listing(mnt / "engines/e2") == ["snap"]
     assert e2("state")["groups"] == {"snap": ["req-1"]}
     back = mf.parse((mnt / "engines/e2/snap/manifest.json").read_bytes())
@@ -226,6 +238,41 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     e1("remove", id="req-1")
     wait_for(lambda: e1("state")["free"] == 256, what="e1's blocks released")
     assert listing(mnt / "engines/e1") == []
+
+
+@pytest.mark.skipif(not COPY_RANGE, reason="pyfuse3 without third_party/pyfuse3's patch")
+def test_pages_copied_in_by_name_are_read_changed_or_sent_in_memory_as_needed(mnt, engines):
+    """A page copied whole into engines/E/ is held as its blob's name: a read
+    gives its bytes, a write first gives the file its bytes; an engine that
+    cannot read the store (PFFS_DIRECT=0) gets the pages in memory. Either
+    way the session goes in whole and continues as its source would."""
+    e1 = engines(mnt, "e1")
+    e2 = engines(mnt, "e2", env={"PFFS_DIRECT": "0"})
+    e1("add", id="req-1", prompt=PROMPT)
+    e1("step", ids=["req-1"], n=30)
+    pffs_cli("fork", mnt / "engines/e1/req-1", mnt / "snap")
+    tokens = e1("state")["seqs"]["req-1"]["tokens"][:-1]
+    pages = sorted(os.listdir(mnt / "snap/pages"))
+
+    # e2 cannot read the store: the daemon sends it the bytes.
+    run("cp", "-r", mnt / "snap", mnt / "engines/e2/")
+    assert "engine e2 cannot read the store" in mnt.log_text()
+    assert e2("state")["seqs"]["req-1"]["tokens"] == tokens
+
+    # e3 can; page 000000 is read back, then rewritten in place, before the rest arrives.
+    e3 = engines(mnt, "e3")
+    dest = mnt / "engines/e3/x"
+    (dest / "pages").mkdir(parents=True)
+    run("cp", mnt / "snap/pages" / pages[0], dest / "pages")
+    assert (dest / "pages" / pages[0]).read_bytes() == (mnt / "snap/pages" / pages[0]).read_bytes()
+    with open(dest / "pages" / pages[0], "r+b") as f:
+        f.write((mnt / "snap/pages" / pages[0]).read_bytes()[:100])
+    for p in pages[1:]:
+        run("cp", mnt / "snap/pages" / p, dest / "pages")
+    run("cp", mnt / "snap/manifest.json", dest)
+    assert "engines/e3/x: paged in (sequences req-1)" in mnt.log_text()
+    assert e3("state")["seqs"]["req-1"]["tokens"] == tokens
+    assert e3("step", ids=["req-1"], n=5) == e2("step", ids=["req-1"], n=5)
 
 
 def test_pffs_fork_out_of_and_into_an_engine_has_the_engine_move_the_bytes(mnt, engines):

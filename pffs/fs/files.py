@@ -298,6 +298,23 @@ class Files:
             stg.early_rows[row.digest] = row
         stg.spoiled.discard(bn)
 
+    def whole_blob(self, fh: int) -> tuple[str, int] | None:
+        """(digest, size) of the blob that the committed file open as *fh* is,
+        whole (one block, no change staged), else None."""
+        of = self.handles.get(fh)
+        if of is None:
+            return None
+        st = self.inodes.states.get(of.ino)
+        if st is not None and st.staging is not None:
+            return None     # (being written: its bytes are copied)
+        if st is not None and st.blocks is not None:
+            size, blocks = st.size, st.blocks
+        else:
+            size, blocks = self.prefetch.committed(of.ino)
+        if len(blocks) != 1 or not 0 < size <= BLOCK_SIZE:
+            return None
+        return blocks[0], size
+
     async def copy_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
                          length: int) -> int:
         """``copy_file_range``: bytes copied.  A whole committed file copied into

@@ -121,6 +121,16 @@ class Tree:
         """(EOPNOTSUPP: the kernel copies the bytes itself, through read and write.)"""
         raise FUSEError(errno.EOPNOTSUPP)
 
+    def whole_blob(self, fh) -> tuple[str, int] | None:
+        """(digest, size) of the one committed blob that file handle *fh*'s file
+        holds whole, or None: a copy into another tree may then name the blob."""
+        return None
+
+    async def take_blob(self, fh, digest: str, size: int) -> bool:
+        """Make the empty file open as *fh* hold blob *digest* (*size* bytes)
+        without moving a byte; False where it cannot (then the bytes are copied)."""
+        return False
+
     async def fsync(self, fh, datasync) -> None:
         pass
 

@@ -192,6 +192,10 @@ class EnginesTree(Tree):
     async def write(self, fh, off, buf):
         return await self.view.write(self.view.handles[fh], off, buf)
 
+    async def take_blob(self, fh, digest, size):
+        h = self.view.handles.get(fh)
+        return h is not None and await self.view.take_blob(h, digest, size)
+
     async def flush(self, fh):
         h = self.view.handles.get(fh)
         if h is not None:

@@ -372,6 +372,39 @@ class LiveEngine(EngineSessions):
         finally:
             self.drop_incoming(entry)
 
+    async def load_blobs(self, entry: SessionEntry) -> list[str] | None:
+        """Have the engine page in a complete incoming session whose every page
+        the store holds (by name), reading them from the store itself; drop
+        the session.  None, and nothing dropped, where the engine cannot read
+        the store (then its bytes go in a memfd: page_in)."""
+        inc = entry.incoming
+        assert inc is not None and inc.manifest is not None and inc.manifest_data is not None
+        manifest_data = inc.manifest_data
+        sizes = [n.size for n in inc.page_nodes()]
+        inc.state = "paging-in"
+        fd = await trio.to_thread.run_sync(memfd_with, [], 0, manifest_data)
+        try:
+            reply = await self.request("load_blobs", timeout=PAGE_IN_TIMEOUT, fds=[fd],
+                                       name=entry.name, mount=self.registry.mountpoint, sizes=sizes,
+                                       manifest_bytes=len(manifest_data))
+        except EngineRefused as e:
+            # (ENOTSUP: it cannot reach the store; EINVAL "unknown request": an older agent.)
+            if e.errno == errno.ENOTSUP or (e.errno == errno.EINVAL and "unknown request" in str(e)):
+                log.info("engine %s cannot read the store (%s): the pages go to it in memory",
+                         self.name, e)
+                inc.state = "gathering"
+                return None
+            self.drop_incoming(entry)
+            raise
+        except BaseException:
+            self.drop_incoming(entry)
+            raise
+        finally:
+            os.close(fd)
+        self.note_session(entry.name)
+        self.drop_incoming(entry)
+        return [str(s) for s in reply.get("seqs", [])]
+
     async def save(self, session: str, path: str) -> int:
         """Have the engine page live *session* out as a new session at *path*; its page count."""
         reply = await self.request("save", timeout=PAGE_IN_TIMEOUT, session=session, path=path)

@@ -37,6 +37,10 @@ class Node:
     name: bytes = b""
     children: dict[bytes, "Node"] = field(default_factory=dict)    # folders (empty for files)
     data: bytearray = field(default_factory=bytearray)              # files (empty for folders)
+    # A file copied in whole from the mount's store by copy_file_range holds
+    # the blob's name instead of its bytes (data empty): see hold_blob.
+    blob: str | None = None
+    blob_size: int = 0
     dirty: bool = False      # written since its last close
     arrived: bool = False    # closed at least once, not written since
     linked: bool = True
@@ -54,7 +58,7 @@ class Node:
 
     @property
     def size(self) -> int:
-        return len(self.data)
+        return self.blob_size if self.blob is not None else len(self.data)
 
 
 class IncomingSession:
@@ -94,8 +98,9 @@ class IncomingSession:
         self._forget_page(node)
         node.linked = False
         self.nodes.pop(node.ino, None)
-        self.bytes -= node.size
-        return node.size
+        held = len(node.data)     # (a file held by name holds no memory)
+        self.bytes -= held
+        return held
 
     def move(self, node: Node, new_parent: Node, new_name: bytes) -> None:
         self._forget_page(node)
@@ -131,6 +136,23 @@ class IncomingSession:
 
     # -- bytes ----------------------------------------------------------
 
+    def hold_blob(self, node: Node, digest: str, size: int) -> None:
+        """Empty file *node* now holds the store's blob *digest* (*size* bytes),
+        by name: nothing is held in memory, and an engine that can read the
+        store takes the page from there (pffs.live.engines.LiveEngine.load_blobs)."""
+        assert not node.data and node.blob is None
+        node.blob, node.blob_size = digest, size
+        self.changed(node)
+
+    def unblob(self, node: Node, data: bytes) -> int:
+        """A file held by name gets its bytes (*data*, the blob's): how many bytes
+        the session's memory grew by."""
+        assert node.blob is not None and len(data) == node.blob_size
+        node.data = bytearray(data)
+        node.blob, node.blob_size = None, 0
+        self.bytes += len(data)
+        return len(data)
+
     def write(self, node: Node, off: int, buf: bytes) -> int:
         """Write into a file; returns how many bytes the session grew by."""
         data = node.data
@@ -143,6 +165,12 @@ class IncomingSession:
         return grow
 
     def truncate(self, node: Node, size: int) -> int:
+        if node.blob is not None:
+            # (Only to nothing: a file held by name gets its bytes before any other change.)
+            assert size == 0, "truncate of a file held by name"
+            node.blob, node.blob_size = None, 0
+            self.changed(node)
+            return 0
         data = node.data
         grow = size - len(data)
         if grow > 0:
@@ -210,6 +238,7 @@ class IncomingSession:
             node.linked = False
             if not node.is_dir:
                 node.data = bytearray()
+                node.blob, node.blob_size = None, 0
         self.nodes = {}
         self.root.children = {}
         self.bytes = 0

@@ -372,6 +372,8 @@ class LiveView(IncomingWrites):
             return await eng.read(snap, h.ix, off, size)
         node = h.node
         assert node is not None         # a file being copied in: create() or open() gave it
+        if node.blob is not None:
+            return (await self.fetch_blob(node.blob))[off:off + size]    # (held by name)
         data = node.data
         return bytes(data[off:off + size])
 

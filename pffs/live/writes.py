@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import pyfuse3
@@ -40,6 +41,8 @@ class IncomingWrites:
     """The writing half of LiveView (which holds the registry and the numbering)."""
 
     reg: Registry
+    #: The bytes of a blob of the mount's store (set by pffs.fs.operations.build).
+    fetch_blob: Callable[[str], Awaitable[bytes]]
 
     if TYPE_CHECKING:
         # The numbering and attributes of LiveView (pffs.live.view) this half uses.
@@ -67,6 +70,7 @@ class IncomingWrites:
             if node.is_dir:
                 raise FUSEError(errno.EISDIR)
             self._check_gathering(inc)
+            await self._unblob(obj.engine, inc, node)
             grow = attr.st_size - node.size
             self._charge(obj.engine, grow)
             inc.truncate(node, attr.st_size)
@@ -86,6 +90,28 @@ class IncomingWrites:
 
     # -- files being copied in ---------------------------------------------------------
 
+    async def take_blob(self, h: Handle, digest: str, size: int) -> bool:
+        """copy_file_range of a whole committed file into an empty file being
+        copied in: the file holds the blob by name (no byte moved); False if
+        it cannot (then the daemon copies the bytes)."""
+        node, inc = h.node, h.inc
+        if not h.writable or node is None or inc is None or node.is_dir or node.size \
+                or inc.state != "gathering" or inc.is_manifest(node):
+            return False    # (a manifest.json's bytes are parsed at its close)
+        inc.hold_blob(node, digest, size)
+        return True
+
+    async def _unblob(self, eng: EngineSessions, inc: IncomingSession, node: Node) -> None:
+        """Give a file held by name its bytes (before they are read or changed here)."""
+        digest = node.blob
+        if digest is None:
+            return
+        data = await self.fetch_blob(digest)
+        if node.blob != digest:
+            return  # (changed meanwhile)
+        self._charge(eng, len(data))
+        self._account(eng, inc.unblob(node, data))
+
     @_errors
     async def write(self, h: Handle, off: int, buf: bytes) -> int:
         entry, node, inc = h.entry, h.node, h.inc
@@ -94,6 +120,7 @@ class IncomingWrites:
         if inc.state == "gone":
             raise FUSEError(errno.ENOENT)   # paged in or refused meanwhile
         self._check_gathering(inc)
+        await self._unblob(entry.engine, inc, node)
         grow = max(0, off + len(buf) - node.size)
         self._charge(entry.engine, grow)
         self._account(entry.engine, inc.write(node, off, buf))
@@ -112,7 +139,7 @@ class IncomingWrites:
         inc.closed(node)
         if inc.is_manifest(node):
             try:
-                m, data, version = await self._parse_manifest(node, self._path(entry, node), "close")
+                m, data, version = await self._parse_manifest(entry, node, self._path(entry, node), "close")
             except FUSEError:
                 inc.set_manifest(None, None)
                 raise
@@ -150,9 +177,11 @@ class IncomingWrites:
         eng.incoming_bytes += grow
         self.reg.incoming_bytes += grow
 
-    async def _parse_manifest(self, node: Node, where: str, op: str
+    async def _parse_manifest(self, entry: SessionEntry, node: Node, where: str, op: str
                               ) -> tuple[mf.Manifest, bytes, int]:
         """Parse a manifest being copied in: (manifest, bytes, node version) or EINVAL, logged."""
+        assert entry.incoming is not None
+        await self._unblob(entry.engine, entry.incoming, node)
         version = node.version
         data = bytes(node.data)
         try:
@@ -167,7 +196,20 @@ class IncomingWrites:
 
     async def _page_in(self, entry: SessionEntry, where: str, op: str) -> None:
         eng = entry.engine
+        inc = entry.incoming
+        assert inc is not None and inc.manifest is not None    # (complete() said so)
         try:
+            nodes = inc.page_nodes()
+            if nodes and all(n.blob == d for n, d in zip(nodes, inc.manifest.pages)):
+                # Every page is the blob its manifest names: the engine reads
+                # them from the store itself, if it can.
+                seqs = await eng.load_blobs(entry)
+                if seqs is not None:
+                    log.info("engines/%s/%s: paged in from the store (sequences %s)", eng.name,
+                             entry.name, ", ".join(seqs))
+                    return
+            for n in nodes:
+                await self._unblob(eng, inc, n)
             seqs = await eng.page_in(entry)
         except EngineRefused as e:
             log.warning("%s %s: engine %s refused the session, folder removed: %s", op, where,
@@ -327,7 +369,7 @@ class IncomingWrites:
         if becomes_manifest:
             # Validated as it takes the name, like any manifest.json (contract §3.3).
             checked = await self._parse_manifest(
-                node, self._path(entry, dst_dir) + "/" + mf.MANIFEST_NAME, "rename")
+                entry, node, self._path(entry, dst_dir) + "/" + mf.MANIFEST_NAME, "rename")
             if (inc.state != "gathering" or src_dir.children.get(n_old) is not node
                     or dst_dir.children.get(n_new) is not target):
                 raise FUSEError(errno.EBUSY)
