@@ -348,7 +348,7 @@ class Bridge:
             try:
                 with torch.inference_mode(mode):
                     out = rows[i:i + 1]
-                    pool.gather(pool.block_index([blocks[r]]), out)
+                    pool.gather([blocks[r]], out)  # (a CPU pool: block ids as they are)
                     if used[r] < P:
                         pool.zero_tail(out, 0, used[r])
                 return sink.write_page(r, st.host_row(0, i).data)
@@ -503,7 +503,7 @@ class Bridge:
                 def put(k: int) -> None:
                     half, row = divmod(k, per_half)
                     with torch.inference_mode(mode):
-                        pool.scatter(pool.block_index([blocks[k]]), st.dev(half, row + 1)[row:row + 1])
+                        pool.scatter([blocks[k]], st.dev(half, row + 1)[row:row + 1])
                 futs = [ex.submit(put, k) for k in range(n)]
                 wait(futs)
                 for f in futs:
@@ -542,7 +542,7 @@ class Bridge:
             try:
                 self._read_verified(source, manifest, needed[r], st.host_row(0, i), again=True)
                 with torch.inference_mode(mode):
-                    pool.scatter(pool.block_index([blocks[r]]), rows[i:i + 1])
+                    pool.scatter([blocks[r]], rows[i:i + 1])
             except BaseException:
                 failed.set()
                 raise

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, NewType, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from pffs.manifest import DTYPE_SIZES
@@ -131,6 +132,7 @@ class KVPool:
         # Byte views in canonical order: [2, num_blocks, block_size, n_heads, head_dim * itemsize].
         self._canon = [t.view(torch.uint8).permute(self.layout.to_canonical) for t in self.layers]
         self._np: list | None = None
+        self._stacked: Any = None     # (see _layers_np)
 
     def _describe(self, first: torch.Tensor, kv: dict[str, Any] | None) -> None:
         # dtype, device, layer count and kv conventions, from layer 0 and self.layers.
@@ -149,8 +151,10 @@ class KVPool:
         """A zero-filled pool of the given geometry (what an engine allocates at start)."""
         lay = layout_of(layout)
         shape = lay.shape(num_blocks, block_size, n_heads, head_dim)
-        layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        return cls(layers, lay, kv)
+        # One allocation for every layer (as vLLM makes its KV cache): a CPU
+        # pool's gather and scatter then copy a block of all layers at once.
+        stack = torch.zeros((n_layers, *shape), dtype=dtype, device=device)
+        return cls(list(stack.unbind(0)), lay, kv)
 
     @property
     def page_bytes(self) -> int:
@@ -171,6 +175,11 @@ class KVPool:
         """Block ids as an index tensor on the pool's device."""
         return torch.tensor(list(blocks), dtype=torch.long).to(self.device, non_blocking=True)
 
+    def as_index(self, index: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """*index* as block_index gives it (a CPU pool's gather and scatter also
+        take block ids as they are, and spare the tensor)."""
+        return index if isinstance(index, torch.Tensor) else self.block_index(index)
+
     def _tok_shape(self) -> tuple[int, ...]:
         # A canonical view's dimensions after K/V and block: token slot(s), head, bytes.
         return tuple(self._canon[0].shape[2:])
@@ -187,7 +196,28 @@ class KVPool:
             self._np = [c.numpy() for c in self._canon]
         return self._np
 
-    def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+    def _layers_np(self):
+        """A numpy view ``[n_layers, *canonical]`` of every layer at once (a CPU
+        pool's), when the layers are equally spaced views of one allocation (as
+        ``allocate`` and vLLM make them): a block of all layers is then one
+        strided copy, not one a layer.  None otherwise."""
+        if self._stacked is None:
+            self._stacked = self._find_stack()
+        return self._stacked if self._stacked is not False else None
+
+    def _find_stack(self):
+        canon = self._canon_np()
+        if len(canon) < 2 or len({t.untyped_storage().data_ptr() for t in self.layers}) != 1:
+            return False
+        c0 = canon[0]
+        ptrs = [c.__array_interface__["data"][0] for c in canon]
+        step = ptrs[1] - ptrs[0]
+        if step == 0 or any(p - ptrs[0] != i * step for i, p in enumerate(ptrs)) \
+                or any(c.shape != c0.shape or c.strides != c0.strides for c in canon):
+            return False
+        return np.lib.stride_tricks.as_strided(c0, (len(canon), *c0.shape), (step, *c0.strides))
+
+    def gather(self, index: torch.Tensor | Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks ``index`` into ``out`` ([n, page_bytes] uint8) as page bytes.
 
         One index_select per layer for the whole batch of pages; ``out`` must be
@@ -198,12 +228,18 @@ class KVPool:
             # calling thread (torch's own CPU copies of such small pieces cost
             # several times more and start its thread pool from every caller).
             o = self._page_np(out)
-            blocks = index.tolist()
+            blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+            stack = self._layers_np()
+            if stack is not None:
+                for r, b in enumerate(blocks):
+                    o[r] = stack[:, :, b].swapaxes(0, 1)
+                return
             for layer, c in enumerate(self._canon_np()):
                 for r, b in enumerate(blocks):
                     o[r, :, layer] = c[:, b]
             return
         o = self._page_view(out)
+        index = self.as_index(index)
         for layer, c in enumerate(self._canon):
             o.select(2, layer).transpose(0, 1).copy_(c.index_select(1, index))
 
@@ -211,17 +247,23 @@ class KVPool:
         """Zero token slots ``fill..block_size-1`` of page ``row`` in ``out``."""
         out.view(out.shape[0], 2, self.n_layers, self.block_size, -1)[row, :, :, fill:].zero_()
 
-    def scatter(self, index: torch.Tensor, src: torch.Tensor) -> None:
+    def scatter(self, index: torch.Tensor | Sequence[int], src: torch.Tensor) -> None:
         """Copy page bytes ``src`` ([n, page_bytes] uint8) into blocks ``index``."""
         if self.device.type == "cpu":
             # As in gather (one kernel a layer, below, suits a GPU).
             s = self._page_np(src)
-            blocks = index.tolist()
+            blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+            stack = self._layers_np()
+            if stack is not None:
+                for r, b in enumerate(blocks):
+                    stack[:, :, b] = s[r].swapaxes(0, 1)
+                return
             for layer, c in enumerate(self._canon_np()):
                 for r, b in enumerate(blocks):
                     c[:, b] = s[r, :, layer]
             return
         s = self._page_view(src)
+        index = self.as_index(index)
         for layer, c in enumerate(self._canon):
             c.index_copy_(1, index, s.select(2, layer).transpose(0, 1))
 
@@ -279,6 +321,7 @@ class VllmKVPool(KVPool):
         self._canon = [t.view(torch.uint8).unflatten(0, (num_blocks, r)).unflatten(-1, (2, d))
                        .permute(4, 0, 1, 3, 2, 5) for t in self.layers]
         self._np = None
+        self._stacked = None
 
     @classmethod
     def allocate_vllm(cls, *, num_blocks: int, block_size: int, n_layers: int, n_heads: int,

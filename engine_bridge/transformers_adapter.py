@@ -136,11 +136,13 @@ class TransformersKVPool(KVPool):
     def engine_info(self, name: str) -> dict[str, Any]:
         return {**super().engine_info(name), "version": transformers.__version__}
 
-    def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+    def gather(self, index: torch.Tensor | Sequence[int], out: torch.Tensor) -> None:
+        index = self.as_index(index)
         n = index.numel()
         out.view(n, 2, self.n_layers, -1).copy_(self._raw.index_select(0, index).transpose(1, 2))
 
-    def scatter(self, index: torch.Tensor, src: torch.Tensor) -> None:
+    def scatter(self, index: torch.Tensor | Sequence[int], src: torch.Tensor) -> None:
+        index = self.as_index(index)
         n = index.numel()
         blocks = src.view(n, 2, self.n_layers, -1).transpose(1, 2).contiguous()
         self._raw.index_copy_(0, index, blocks)

@@ -507,3 +507,27 @@ def test_sink_without_concurrency_gets_pages_in_order_from_one_thread():
     assert [ix for ix, _ in sink.calls] == list(range(40))
     assert len({t for _, t in sink.calls}) == 1
     assert [sink.digests[i] for i in range(40)] == m.pages
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layers_of_one_allocation_copy_a_block_at_once_and_the_same_bytes(layout):
+    """allocate() gives every layer one allocation: gather and scatter copy a
+    block of all layers in one strided copy, with the bytes the copy a layer at
+    a time gives (the path of layers allocated one by one)."""
+    stacked = random_pool("bf16", layout)
+    assert stacked._layers_np() is not None
+    apart = KVPool([t.clone() for t in stacked.layers], layout)
+    assert apart._layers_np() is None
+    idx = stacked.block_index([7, 2, 5])
+    a = torch.empty((3, stacked.page_bytes), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    stacked.gather(idx, a)
+    apart.gather(idx, b)
+    assert torch.equal(a, b)
+    for i, blk in enumerate([7, 2, 5]):
+        assert a[i].numpy().tobytes() == _expected_page(stacked.layers, layout, blk, 4)
+    # Scattered back into other blocks, both give the same layers.
+    c = torch.randint(0, 256, a.shape, dtype=torch.uint8)
+    stacked.scatter(stacked.block_index([0, 1, 9]), c)
+    apart.scatter(apart.block_index([0, 1, 9]), c)
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(stacked.layers, apart.layers))
