@@ -177,6 +177,7 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     # cp -r of the live request is byte for byte the bridge's own page-out; with
     # copy_file_range (pyfuse3 built with third_party/pyfuse3's patch) its pages'
     # bytes go from engines/ to the store in the daemon, never through FUSE.
+    copies = stats(mnt)["copies"]
     before = requests(mnt)
     run("cp", "-r", live, mnt / "snap")
     moved = {k: v - before.get(k, 0) for k, v in requests(mnt).items()}
@@ -184,6 +185,10 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     if COPY_RANGE:
         assert moved.get("copy_file_range", 0) >= n_pages + 1
         assert moved.get("write", 0) == 0
+        # Each page was stored as a blob (ahead of its copy) and the copy named it.
+        copied = {k: v - copies[k] for k, v in stats(mnt)["copies"].items()}
+        assert copied == {"shared_bytes": sum(os.path.getsize(p) for p in (mnt / "snap/pages").iterdir()),
+                          "copied_bytes": os.path.getsize(mnt / "snap/manifest.json")}
     e1("page_out", ids=["req-1"], dest=str(tmp_path / "direct"))
     assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
     # One page read on its own (no manifest.json read first) is the same page.

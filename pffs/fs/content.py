@@ -299,6 +299,26 @@ class ContentStore:
         """A blob's bytes, decoded and verified (a large one within the block budget)."""
         return self.blobs.get(digest, hold=self.block_budget.hold)
 
+    def store_bytes(self, data) -> BlobRow:
+        """In a commit thread: store *data* as one blob now (a page a copy will
+        name next: see name_if_stored); its row."""
+        with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
+            batch = self.blobs.batch() if self.sync_on_close else self.pending
+            rows: list[BlobRow] = []
+            self._hash_and_put(data, batch, rows)
+            if self.sync_on_close:
+                batch.sync()
+            return rows[0]
+
+    def name_if_stored(self, digest: str, then: Callable[[], Any]) -> Any:
+        """In a commit thread: ``then()`` (the transaction naming *digest*) if the
+        store holds the blob, else False; the gc lock is held shared across both,
+        so no gc takes the blob between."""
+        with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
+            if not self.blobs.contains(Digest(digest)):
+                return False
+            return then()
+
     def _hash_and_put(self, data, batch, rows: list[BlobRow]) -> str:
         """Store one block's bytes under their digest; returns it.
 

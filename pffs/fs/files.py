@@ -11,6 +11,7 @@ its committed blobs through the blob cache.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -23,7 +24,7 @@ from pyfuse3 import FUSEError
 from .. import manifest as mf
 from .. import namespace as ns
 from ..errors import StoreFull, StoreUnavailable
-from ..namespace import BLOCK_SIZE, FsError
+from ..namespace import BLOCK_SIZE, BlobRow, FsError
 from .blobcache import BlobReader
 from .content import AcceptedManifest, ContentStore, StoredContent
 from .db import Database
@@ -298,9 +299,9 @@ class Files:
             stg.early_rows[row.digest] = row
         stg.spoiled.discard(bn)
 
-    def whole_blob(self, fh: int) -> tuple[str, int] | None:
-        """(digest, size) of the blob that the committed file open as *fh* is,
-        whole (one block, no change staged), else None."""
+    def whole_blob(self, fh: int) -> tuple[str, int, None] | None:
+        """(digest, size, None) of the blob that the committed file open as *fh*
+        is, whole (one block, no change staged), else None."""
         of = self.handles.get(fh)
         if of is None:
             return None
@@ -313,7 +314,43 @@ class Files:
             size, blocks = self.prefetch.committed(of.ino)
         if len(blocks) != 1 or not 0 < size <= BLOCK_SIZE:
             return None
-        return blocks[0], size
+        return blocks[0], size, None
+
+    async def take_blob(self, fh: int, digest: str, size: int, row: BlobRow | None) -> bool:
+        """copy_file_range of a whole blob from another tree (a live engine's
+        page) into the empty file open as *fh*: it holds the blob, if the store
+        still does (checked under the gc lock); False where it cannot."""
+        of = self.handles.get(fh)
+        if of is None or not of.writable or not 0 < size <= BLOCK_SIZE:
+            return False
+        st = self.inodes.states[of.ino]
+        if self._named_manifest(of.ino, st):
+            return False    # (a manifest.json is copied byte by byte, and checked at its close)
+        async with st.lock:
+            while st.behind:
+                await next(iter(st.behind.values())).wait()
+            stg = st.staging
+            if stg is not None and stg.size:
+                return False
+            staged_empty = stg is not None
+            t = ns.now_ns()
+            ino = of.ino
+
+            def fn(conn) -> bool:
+                if not staged_empty and ns.get_inode(conn, ino).size:
+                    return False    # (not empty)
+                if row is None and digest not in ns.known_blobs(conn, {digest}):
+                    return False
+                ns.set_content(conn, ino, size, digest, [digest], [row] if row is not None else [], t)
+                return True
+            named = functools.partial(self.db.run_in_transaction, fn)
+            if not await self.content.workers.call(self.content.name_if_stored, digest, named):
+                return False
+            if stg is not None:
+                st.staging = None
+                stg.close()
+            st.blocks, st.size = [digest], size
+        return True
 
     async def copy_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
                          length: int) -> int:

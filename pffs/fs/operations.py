@@ -226,7 +226,7 @@ class Operations(pyfuse3.Operations):
         # reads the blob from the store itself); other bytes go from one tree
         # to the other here, in pieces, instead of crossing FUSE twice.
         if off_in == 0 and off_out == 0:
-            blob = tree_in.whole_blob(fh_in)
+            blob = await tree_in.whole_blob(fh_in)
             if blob is not None and length >= blob[1] and await tree_out.take_blob(fh_out, *blob):
                 self.copies["shared_bytes"] += blob[1]
                 return blob[1]
@@ -349,6 +349,14 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
         # A page named by its blob in a session being copied in: its bytes, when
         # something reads or changes them before the engine takes the session.
         live.fetch_blob = lambda digest: reader.blob(digest, ns.ROOT_INODE)
+        # A live page copied out of engines/ is stored as a blob (ahead of the copy).
+        live.store_blob = lambda data: content.workers.call(content.store_bytes, data)
+
+        def spawn(fn, *args) -> None:
+            if files.nursery is None:
+                raise RuntimeError("no nursery yet")
+            files.nursery.start_soon(fn, *args)
+        live.spawn = spawn
         trees[ENGINES] = EnginesTree(live, manifests)
     return Handlers(Operations(trees, requests, files.copies), inodes, files, prefetch, reader, invalidate,
                     manifests, pffs)

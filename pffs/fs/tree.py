@@ -299,8 +299,11 @@ class NamespaceTree(Tree):
     async def flush(self, fh):
         await self.files.flush(fh)
 
-    def whole_blob(self, fh):
+    async def whole_blob(self, fh):
         return self.files.whole_blob(fh)
+
+    async def take_blob(self, fh, digest, size, row):
+        return await self.files.take_blob(fh, digest, size, row)
 
     async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags):
         if flags:

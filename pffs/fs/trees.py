@@ -15,6 +15,7 @@ import errno
 import pyfuse3
 from pyfuse3 import FUSEError
 
+from ..namespace import BlobRow
 from ..types import InodeNo
 
 NAMESPACE, PFFS, ENGINES = "namespace", "pffs", "engines"
@@ -121,12 +122,13 @@ class Tree:
         """(EOPNOTSUPP: the kernel copies the bytes itself, through read and write.)"""
         raise FUSEError(errno.EOPNOTSUPP)
 
-    def whole_blob(self, fh) -> tuple[str, int] | None:
-        """(digest, size) of the one committed blob that file handle *fh*'s file
-        holds whole, or None: a copy into another tree may then name the blob."""
+    async def whole_blob(self, fh) -> tuple[str, int, BlobRow | None] | None:
+        """(digest, size, its row if the namespace may lack one) of the one stored
+        blob that file handle *fh*'s file is, whole, or None: a copy into another
+        tree may then name the blob."""
         return None
 
-    async def take_blob(self, fh, digest: str, size: int) -> bool:
+    async def take_blob(self, fh, digest: str, size: int, row: BlobRow | None) -> bool:
         """Make the empty file open as *fh* hold blob *digest* (*size* bytes)
         without moving a byte; False where it cannot (then the bytes are copied)."""
         return False

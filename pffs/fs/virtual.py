@@ -192,9 +192,13 @@ class EnginesTree(Tree):
     async def write(self, fh, off, buf):
         return await self.view.write(self.view.handles[fh], off, buf)
 
-    async def take_blob(self, fh, digest, size):
+    async def take_blob(self, fh, digest, size, row):
         h = self.view.handles.get(fh)
         return h is not None and await self.view.take_blob(h, digest, size)
+
+    async def whole_blob(self, fh):
+        h = self.view.handles.get(fh)
+        return None if h is None else await self.view.page_blob(h)
 
     async def flush(self, fh):
         h = self.view.handles.get(fh)

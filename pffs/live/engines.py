@@ -26,8 +26,8 @@ import mmap
 import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import trio
 
@@ -39,6 +39,8 @@ from .protocol import ProtocolError
 from .registry import LiveRegistry, Registration
 from .sessions import EngineSessions, SessionEntry, Snapshot
 from .slots import SlotCache
+
+T = TypeVar("T")
 
 if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport before it
     from exceptiongroup import BaseExceptionGroup
@@ -281,6 +283,18 @@ class LiveEngine(EngineSessions):
         for s in held:
             self.slots.hold(s)
         return held
+
+    async def with_page(self, snap: Snapshot, ix: PageIndex, fn: Callable[[memoryview], Awaitable[T]]) -> T:
+        """``await fn(view)`` with page *ix* of a snapshot held in staging: *view*
+        is its bytes in the shared memory, no copy, valid until fn returns."""
+        (s,) = await self._hold(snap, [ix])
+        pb = self.page_bytes
+        view = memoryview(self.shm)[s * pb:(s + 1) * pb]
+        try:
+            return await fn(view)
+        finally:
+            view.release()
+            self.slots.unhold(s)
 
     async def _hash(self, ixs: list[PageIndex], held: list[int], out: list) -> None:
         pb, shm = self.page_bytes, self.shm

@@ -11,13 +11,14 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .. import manifest as mf
+from ..namespace import BlobRow
 from ..types import Digest, PageIndex
 from .errors import EngineError, EngineGone, EngineRefused
 from .incoming import IncomingSession
@@ -47,6 +48,10 @@ class Snapshot:
     refs: int = 0            # open files and folders reading it
     opened: bool = False     # manifest.json was opened on it
     released: bool = False
+    # Pages stored as blobs for copies out of it (LiveView.page_blob): page
+    # index -> its store's (digest, size, row); storing[ix] is set once tried.
+    blobs: dict[int, tuple[str, int, BlobRow]] = field(default_factory=dict)
+    storing: dict[int, trio.Event] = field(default_factory=dict)
 
 
 class SessionEntry:
@@ -91,6 +96,7 @@ class EngineSessions:
         async def _digests(self, snap: Snapshot) -> list[Digest]: ...
         def _spawn_release(self, snap_id: int) -> None: ...
         async def read(self, snap: Snapshot, ix: PageIndex, off: int, size: int) -> bytes: ...
+        async def with_page(self, snap: Snapshot, ix: PageIndex, fn: Callable[[memoryview], Awaitable[Any]]) -> Any: ...
         async def page_in(self, entry: SessionEntry) -> list[str]: ...
         async def load_blobs(self, entry: SessionEntry) -> list[str] | None: ...
     # -- sessions ------------------------------------------------------------

@@ -22,20 +22,22 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pyfuse3
+import trio
 from pyfuse3 import FUSEError
 
 from .. import manifest as mf
 from ..fs.trees import LIVE_BASE, LIVE_END, LIVE_HANDLES
-from ..namespace import ROOT_INODE, now_ns
+from ..namespace import ROOT_INODE, BlobRow, now_ns
 from ..types import FileHandle, InodeNo, PageIndex
 from .engines import LiveEngine, Registry
 from .errors import EngineGone
 from .handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
 from .incoming import MANIFEST, PAGES, Node
-from .sessions import SessionEntry, Snapshot
+from .sessions import EngineSessions, SessionEntry, Snapshot
 from .writes import _PARSE_INLINE, IncomingWrites  # noqa: F401 (_PARSE_INLINE: still importable here)
 
 log = logging.getLogger("pffs.live")
@@ -46,6 +48,10 @@ ENGINES_INO = LIVE_BASE
 # File and folder handles are two number spaces (pffs.fs.trees.FILE_HANDLES, DIR_HANDLES).
 FH_BASE = DH_BASE = LIVE_HANDLES
 ENGINES_NAME = b"engines"
+# Pages of a live snapshot stored as blobs ahead of a copy out of it (page_blob),
+# and how many are read and stored at once (each holds a page in memory).
+COPY_AHEAD = 4
+STORE_AT_ONCE = 4
 ROOT_COOKIE = 1 << 62               # readdir cookie of engines/ in the root, past every row id
 MANIFEST_J, PAGES_J = 1, 2
 
@@ -53,6 +59,11 @@ MANIFEST_J, PAGES_J = 1, 2
 class LiveView(IncomingWrites):
     def __init__(self, registry: Registry):
         self.reg = registry
+        # Set by pffs.fs.operations.build: a blob of the mount's store made of
+        # some bytes (its row), and how to start work in the background.
+        self.store_blob: Callable[[memoryview], Awaitable[BlobRow]] | None = None
+        self.spawn: Callable[..., None] | None = None
+        self._storing: trio.CapacityLimiter | None = None
         #: open files, by handle (pffs.fs.virtual.EnginesTree finds them here)
         self.handles: dict[FileHandle, Any] = {}
         self.dirs: dict[FileHandle, DirHandle] = {}
@@ -376,6 +387,53 @@ class LiveView(IncomingWrites):
             return (await self.fetch_blob(node.blob))[off:off + size]    # (held by name)
         data = node.data
         return bytes(data[off:off + size])
+
+    async def page_blob(self, h: Handle) -> tuple[str, int, BlobRow] | None:
+        """copy_file_range out of a live session (cp -r of it): for a page, the
+        page stored as a blob of the mount's store, for the copy to name (None
+        where that failed: then the bytes are copied).  The pages ahead are
+        stored meanwhile on the commit threads, every page of the snapshot once
+        its manifest.json is copied (cp copies it first), so the session's
+        pages are stored in parallel though cp copies one file at a time."""
+        snap = h.snap
+        if h.kind not in ("page", "manifest") or snap is None or self.store_blob is None \
+                or snap.released:
+            return None
+        eng = h.entry.engine
+        if h.kind == "manifest":
+            if self.spawn is not None:
+                self._store_ahead(eng, snap, range(snap.n_pages))
+            return None     # (its bytes are copied, and checked where they land)
+        if self.spawn is None:
+            if h.ix not in snap.storing:
+                ev = snap.storing[h.ix] = trio.Event()
+                await self._store_page(eng, snap, h.ix, ev)
+        else:
+            self._store_ahead(eng, snap, range(h.ix, min(snap.n_pages, h.ix + COPY_AHEAD)))
+        await snap.storing[h.ix].wait()
+        return snap.blobs.get(h.ix)
+
+    def _store_ahead(self, eng: EngineSessions, snap: Snapshot, ixs: range) -> None:
+        assert self.spawn is not None
+        if self._storing is None:
+            self._storing = trio.CapacityLimiter(STORE_AT_ONCE)
+        for j in ixs:
+            if j not in snap.storing:
+                ev = snap.storing[j] = trio.Event()
+                self.spawn(self._store_page, eng, snap, j, ev)
+
+    async def _store_page(self, eng: EngineSessions, snap: Snapshot, ix: int, done: trio.Event) -> None:
+        assert self.store_blob is not None
+        try:
+            async with self._storing or trio.CapacityLimiter(1):
+                # Hashed and compressed where the engine gathered it (no copy).
+                row = await eng.with_page(snap, PageIndex(ix), self.store_blob)
+            snap.blobs[ix] = (row.digest, row.raw_size, row)
+        except Exception as e:  # (the engine went, the store is full): the copy moves the bytes, and says why
+            log.debug("engines/%s/%s: page %d not stored ahead of its copy: %s", eng.name,
+                      snap.session, ix, e)
+        finally:
+            done.set()
 
     def release(self, h: Handle) -> None:
         if h.snap is not None:
