@@ -67,6 +67,13 @@ def dir_sink(root: Path):
     yield lambda name: (root / name, root / name)
 
 
+def _unmount(m) -> None:
+    rc = m.stop()
+    m.cleanup()
+    if rc != 0:
+        print(f"warning: the benchmark's pffs daemon exited {rc}", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def _mounted(root: Path):
     sys.path.insert(0, str(ROOT / "tests"))
@@ -76,10 +83,7 @@ def _mounted(root: Path):
     try:
         yield m
     finally:
-        rc = m.stop()
-        m.cleanup()
-        if rc != 0:
-            print(f"warning: the benchmark's pffs daemon exited {rc}", file=sys.stderr)
+        _unmount(m)
 
 
 @contextlib.contextmanager
@@ -136,10 +140,7 @@ def _s3_mounted(root: Path):
     try:
         yield m, cold
     finally:
-        rc = m.stop()
-        m.cleanup()
-        if rc != 0:
-            print(f"warning: the benchmark's pffs daemon exited {rc}", file=sys.stderr)
+        _unmount(m)
 
 
 @contextlib.contextmanager

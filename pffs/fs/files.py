@@ -323,34 +323,18 @@ class Files:
         of = self.handles.get(fh)
         if of is None or not of.writable or not 0 < size <= BLOCK_SIZE:
             return False
-        st = self.inodes.states[of.ino]
-        if self._named_manifest(of.ino, st):
-            return False    # (a manifest.json is copied byte by byte, and checked at its close)
-        async with st.lock:
-            while st.behind:
-                await next(iter(st.behind.values())).wait()
-            stg = st.staging
-            if stg is not None and stg.size:
-                return False
-            staged_empty = stg is not None
-            t = ns.now_ns()
-            ino = of.ino
 
-            def fn(conn) -> bool:
-                if not staged_empty and ns.get_inode(conn, ino).size:
-                    return False    # (not empty)
+        def content(staged_empty: bool, t: int):
+            def fn(conn):
+                if not staged_empty and ns.get_inode(conn, of.ino).size:
+                    return None     # (not empty)
                 if row is None and digest not in ns.known_blobs(conn, {digest}):
-                    return False
-                ns.set_content(conn, ino, size, digest, [digest], [row] if row is not None else [], t)
-                return True
+                    return None
+                ns.set_content(conn, of.ino, size, digest, [digest], [row] if row is not None else [], t)
+                return size, [digest]
             named = functools.partial(self.db.run_in_transaction, fn)
-            if not await self.content.workers.call(self.content.name_if_stored, digest, named):
-                return False
-            if stg is not None:
-                st.staging = None
-                stg.close()
-            st.blocks, st.size = [digest], size
-        return True
+            return self.content.workers.call(self.content.name_if_stored, digest, named)
+        return await self._fill_empty(of.ino, content) is not None
 
     async def copy_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
                          length: int) -> int:
@@ -380,19 +364,8 @@ class Files:
         if sst is not None and sst.staging is not None and sst.staging.dirty:
             async with sst.lock:
                 await self.commit(src, sst)
-        st = self.inodes.states[dst]
-        if self._named_manifest(dst, st):
-            return None     # (a manifest.json is copied byte by byte, and checked at its close)
-        async with st.lock:
-            while st.behind:
-                await next(iter(st.behind.values())).wait()
-            stg = st.staging
-            if stg is not None and stg.size:
-                return None
-            # Empty: staged so (created, or opened with O_TRUNC), else as committed.
-            staged_empty = stg is not None
-            t = ns.now_ns()
 
+        def content(staged_empty: bool, t: int):
             def fn(conn):
                 node = ns.get_inode(conn, src)
                 if node.size > length or (not staged_empty and ns.get_inode(conn, dst).size):
@@ -400,8 +373,25 @@ class Files:
                 blocks = ns.blocks_of(conn, src)
                 ns.set_content(conn, dst, node.size, node.digest, blocks, [], t)
                 return node.size, blocks
-            got = await self.db.write(fn)
-            if got is None:
+            return self.db.write(fn)
+        return await self._fill_empty(dst, content)
+
+    async def _fill_empty(self, ino: int, content) -> int | None:
+        """Give empty file *ino* (created, or opened with O_TRUNC, or committed
+        empty) blobs as content: ``await content(staged_empty, mtime_ns)`` runs
+        the transaction and gives (size, blocks), or a false value where it
+        cannot.  The new size, or None (then the bytes are copied)."""
+        st = self.inodes.states[ino]
+        if self._named_manifest(ino, st):
+            return None     # (a manifest.json is copied byte by byte, and checked at its close)
+        async with st.lock:
+            while st.behind:
+                await next(iter(st.behind.values())).wait()
+            stg = st.staging
+            if stg is not None and stg.size:
+                return None
+            got = await content(stg is not None, ns.now_ns())
+            if not got:
                 return None
             size, blocks = got
             if stg is not None:
