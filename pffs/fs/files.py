@@ -27,6 +27,7 @@ from ..errors import StoreFull, StoreUnavailable
 from ..namespace import BLOCK_SIZE, BlobRow, FsError
 from .blobcache import BlobReader
 from .content import AcceptedManifest, ContentStore, StoredContent
+from .copies import copy_pieces
 from .db import Database
 from .inodes import InodeState, InodeTable, Invalidator
 from .prefetch import Prefetch
@@ -38,8 +39,6 @@ MANIFEST = mf.MANIFEST_NAME.encode()
 # Writes to (and reads of) a staged file on disk up to this size are done on
 # the event loop: a pwrite into the page cache costs less than a hand-off.
 SMALL_WRITE = 64 << 10
-# A copy_file_range the blobs cannot serve is copied in pieces of this size.
-COPY_PIECE = 1 << 20
 # pyfuse3 built with third_party/pyfuse3's patch: FileInfo.noflush (FOPEN_NOFLUSH).
 NOFLUSH = hasattr(pyfuse3.FileInfo(), "noflush") and not os.environ.get("PFFS_STOCK_PYFUSE3")
 
@@ -52,8 +51,6 @@ class _LateRefusal(Exception):
         self.error = error
 
 
-
-
 @dataclass
 class OpenFile:
     ino: int
@@ -63,23 +60,6 @@ class OpenFile:
     # Read ahead of this reader at its first read (not at its open: a copy
     # with copy_file_range opens its source and never reads it).
     read_ahead: bool = False
-
-
-async def copy_pieces(read, fh_in: int, off_in: int, write, fh_out: int, off_out: int,
-                      length: int) -> int:
-    """Copy up to *length* bytes with ``read(fh, off, size)`` and ``write(fh, off,
-    data)`` handlers, COPY_PIECE at a time: the bytes copied (fewer at the
-    source's end, or where a write took less)."""
-    done = 0
-    while done < length:
-        data = await read(fh_in, off_in + done, min(COPY_PIECE, length - done))
-        if not data:
-            break
-        n = await write(fh_out, off_out + done, data)
-        done += n
-        if n < len(data):
-            break
-    return done
 
 
 @dataclass(eq=False)

@@ -23,8 +23,9 @@ from ..errors import StoreFull, StoreUnavailable
 from ..namespace import FsError
 from .blobcache import BlobCache, BlobReader
 from .content import ContentStore
+from .copies import copy_pieces
 from .db import Database
-from .files import NOFLUSH, Files, copy_pieces
+from .files import NOFLUSH, Files
 from .inodes import InodeTable, Invalidator
 from .manifests import Manifests
 from .prefetch import Prefetch
