@@ -454,3 +454,33 @@ def test_a_folder_listed_during_the_fork_that_fills_it_shows_none_then_every_pag
     trio.run(main)
     assert out["during"] == []
     assert out["after"] == [b"000000", b"000001", b"000002"]
+
+
+def test_a_copy_names_a_blob_stored_ahead_only_if_the_store_still_holds_it(ops):
+    """A live page stored ahead of its copy is unreferenced until the copy names
+    it, so a gc may take it meanwhile: the copy then names nothing (and copies
+    the bytes), rather than leave a row naming a blob that is not stored."""
+    from pffs.types import digest_of
+    page = os.urandom(1 << 16)
+
+    async def main():
+        row = await ops.content.workers.call(ops.content.store_bytes, page)
+        assert row.digest == digest_of(page) and ops.content.blobs.contains(row.digest)
+        info, _ = await ops.ops.create(ns.ROOT_INODE, b"a", 0o100644, os.O_WRONLY, Ctx())
+        assert await ops.files.take_blob(info.fh, row.digest, row.raw_size, row)
+        await ops.ops.release(info.fh)
+        # The same page stored again, then taken by a gc before its copy names it.
+        gone = await ops.content.workers.call(ops.content.store_bytes, page + b"x")
+        assert gone.digest == digest_of(page + b"x")
+        os.unlink(ops.content.blobs.path(gone.digest))
+        info, _ = await ops.ops.create(ns.ROOT_INODE, b"b", 0o100644, os.O_WRONLY, Ctx())
+        taken = await ops.files.take_blob(info.fh, gone.digest, gone.raw_size, gone)
+        await ops.ops.release(info.fh)
+        return taken, gone
+    taken, gone = trio.run(main)
+    assert taken is False
+    conn = ops.db.ro
+    a, b = ns.lookup(conn, ns.ROOT_INODE, b"a"), ns.lookup(conn, ns.ROOT_INODE, b"b")
+    assert ns.read_file(conn, ops.content.blobs, a) == page
+    assert ns.get_inode(conn, b).size == 0
+    assert conn.execute("SELECT COUNT(*) FROM blobs WHERE digest=?", (gone.digest,)).fetchone()[0] == 0
