@@ -51,6 +51,7 @@ from pffs import codec as codec_mod
 from pffs.errors import CodecError, IntegrityError, MissingBlob, PffsError
 from pffs.manifest import MANIFEST_NAME, PAGES_DIR, Manifest, ManifestError, page_name, parse
 from pffs.store.local import LocalBlobStore
+from pffs.store.s3 import PUT_FIRST_MAX
 from pffs.storedir import GcLock
 from pffs.types import Digest, digest_of
 
@@ -344,7 +345,8 @@ class DirectSink:
             self.pins.add((d,))
         try:
             bucket = self.access.bucket
-            if bucket is None:
+            if bucket is None or memoryview(data).nbytes <= PUT_FIRST_MAX:
+                # (A small page: the bucket's conditional PUT says whether it has it.)
                 self.blobs.put(data, d, batch=self.batch)
             else:
                 # Whether the bucket holds the page already (a HEAD) is asked on the
