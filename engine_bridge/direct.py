@@ -18,8 +18,9 @@ names, in a constant number of requests:
   straight from the store by digest.
 
 A mount of an S3 store offers the same: the bridge puts frames into the
-bucket (uploads in parallel on the store's upload threads, a HEAD first so a
-page the bucket holds is not sent again) and gets them back in parallel, from
+bucket (uploads in parallel on the store's upload threads; a page over 1 MiB
+is looked for with a HEAD while it is compressed, so one the bucket holds is
+not sent again) and gets them back in parallel, from
 the mount's cache folder where it holds them, else from the bucket.  There is
 no gc lock to hold: the bucket's gc keeps every blob younger than its grace
 period, and puts back from its trash any blob a manifest names again (as for
@@ -45,18 +46,16 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, IntegrityError, MissingBlob, PffsError
 from pffs.manifest import MANIFEST_NAME, PAGES_DIR, Manifest, ManifestError, page_name, parse
+from pffs.store.framecache import PeekCache
 from pffs.store.local import LocalBlobStore
-from pffs.store.s3 import PUT_FIRST_MAX
+from pffs.store.s3 import PUT_FIRST_MAX, S3BlobStore, url_of
 from pffs.storedir import GcLock
 from pffs.types import Digest, digest_of
-
-if TYPE_CHECKING:
-    from pffs.store.s3 import S3BlobStore
 
 from .errors import DamagedPage, PageOutError
 from .sessions import (
@@ -246,11 +245,6 @@ def _probe(mp: str) -> StoreAccess | str:
 
 def _probe_s3(mp: str, info: dict) -> StoreAccess | str:
     """The bucket of an S3 mount if this process can use it (one request to learn so), else why not."""
-    try:
-        from pffs.store.framecache import PeekCache
-        from pffs.store.s3 import S3BlobStore, url_of
-    except ImportError as e:  # pragma: no cover - pffs[s3] not installed
-        return f"cannot use the bucket: {e}"
     url = url_of(info.get("url"))
     if url is None:
         return f"store.json names no s3:// URL ({info.get('url')!r})"
@@ -299,6 +293,34 @@ def _verdict(folder: Path) -> dict | None:
     except ValueError:
         return None
     return v if isinstance(v, dict) else None
+
+
+def _fetch_frame(blobs: Blobs, bucket: "S3BlobStore | None", d: Digest) -> tuple[bytes, bool]:
+    """The frame of blob *d* and whether it came from the mount's cache folder
+    (a bucket's frame is read there where it is, else downloaded)."""
+    if bucket is None:
+        return blobs.get_frame(d), False
+    frame = bucket.cache.get(d)
+    if frame is not None:
+        return frame, True
+    return bucket.download(d), False
+
+
+def _decode_page(bucket: "S3BlobStore | None", ix: int, d: Digest, frame: bytes, cached: bool,
+                 out: memoryview) -> int:
+    """Decode page *ix*'s *frame* into *out* (the bridge checks the sha256 of
+    what lands there); a damaged frame of the mount's cache is downloaded
+    again, since the bucket has the blob."""
+    try:
+        return codec_mod.decode_into(frame, out, check_crc=False)
+    except CodecError as e:
+        if not cached or bucket is None:
+            raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
+    frame = bucket.download(d)
+    try:
+        return codec_mod.decode_into(frame, out, check_crc=False)
+    except CodecError as e:
+        raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
 
 
 class DirectSink:
@@ -406,7 +428,7 @@ class DirectSink:
                 continue
             try:
                 data = self.blobs.get(Digest(m.pages[ix]))
-            except (IntegrityError, PffsError, OSError) as e:
+            except (PffsError, OSError) as e:
                 raise PageOutError(f"page {page_name(ix)}: its blob could not be read back from the"
                                    f" store ({e})") from None
             with open(p, "wb") as f:
@@ -494,18 +516,11 @@ class DirectSource:
 
     # -- frames from a bucket, fetched ahead ---------------------------------
 
-    def _fetch(self, d: Digest) -> tuple[bytes, bool]:
-        assert self.bucket is not None
-        frame = self.bucket.cache.get(d)
-        if frame is not None:
-            return frame, True
-        return self.bucket.download(d), False
-
     def _frame(self, ix: int, d: Digest) -> tuple[bytes, bool]:
         """The frame of good page *ix* (and fetches of the pages after it started)."""
         bucket = self.bucket
         if bucket is None:
-            return self.blobs.get_frame(d), False
+            return _fetch_frame(self.blobs, None, d)
         with self._ahead_lock:
             fut = self._ahead.pop(ix, None)
             # Keep a window of fetches running past the pages asked for so far.
@@ -515,10 +530,10 @@ class DirectSource:
                 if j != ix and j not in self._ahead:
                     dj = self._digest(j)
                     if dj is not None:
-                        self._ahead[j] = bucket.pool.submit(self._fetch, dj)
+                        self._ahead[j] = bucket.pool.submit(_fetch_frame, self.blobs, bucket, dj)
         if fut is not None:
             return fut.result()
-        return self._fetch(d)
+        return _fetch_frame(self.blobs, bucket, d)
 
     def _cancel_ahead(self) -> None:
         with self._ahead_lock:
@@ -533,25 +548,11 @@ class DirectSource:
             return self.mount.read_page_into(ix, out)
         try:
             frame, cached = self._frame(ix, d)
+            return _decode_page(self.bucket, ix, d, frame, cached, out)
         except MissingBlob:
-            return self.mount.read_page_into(ix, out)
+            return self.mount.read_page_into(ix, out)   # (its file went since: the mount says so)
         except PffsError as e:
             raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
-        try:
-            # The bridge checks the sha256 of what lands in *out*.
-            return codec_mod.decode_into(frame, out, check_crc=False)
-        except CodecError as e:
-            if not cached:
-                raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
-        # A damaged frame in the mount's cache: the bucket has the blob.
-        assert self.bucket is not None
-        try:
-            frame = self.bucket.download(d)
-            return codec_mod.decode_into(frame, out, check_crc=False)
-        except MissingBlob:
-            return self.mount.read_page_into(ix, out)
-        except (CodecError, PffsError) as e:
-            raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
 
     def why_mismatch(self, ix: int) -> str | None:
         """Why a page read straight from the store has the wrong sha256 (None: read through the mount)."""
@@ -601,30 +602,24 @@ class BlobSource:
             raise FileNotFoundError(f"page {page_name(ix)}")
         return self.sizes[ix]
 
-    def _frame(self, ix: int) -> bytes:
+    def read_page_into(self, ix: int, out: memoryview) -> int:
         d = Digest(self.pages[ix])
         try:
-            if self.bucket is not None:
-                frame = self.bucket.cache.get(d)
-                return frame if frame is not None else self.bucket.download(d)
-            return self.blobs.get_frame(d)
+            frame, cached = _fetch_frame(self.blobs, self.bucket, d)
+            return _decode_page(self.bucket, ix, d, frame, cached, out)
         except MissingBlob:
             raise DamagedPage(ix, f"its blob {d} is not in the store") from None
         except PffsError as e:
             raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
 
-    def read_page_into(self, ix: int, out: memoryview) -> int:
-        try:
-            # The bridge checks the sha256 of what lands in *out*.
-            return codec_mod.decode_into(self._frame(ix), out, check_crc=False)
-        except CodecError as e:
-            raise DamagedPage(ix, f"its blob {self.pages[ix]} in the store is damaged: {e}") from None
-
     def read_page(self, ix: int) -> bytes:
+        d = Digest(self.pages[ix])
         try:
-            return codec_mod.decode(self._frame(ix), check_crc=False)
-        except CodecError as e:
-            raise DamagedPage(ix, f"its blob {self.pages[ix]} in the store is damaged: {e}") from None
+            return self.blobs.get(d, verify=False)
+        except MissingBlob:
+            raise DamagedPage(ix, f"its blob {d} is not in the store") from None
+        except PffsError as e:
+            raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
 
     def why_mismatch(self, ix: int) -> str | None:
         return f"its blob {self.pages[ix]} in the store is damaged (its bytes' sha256 differs)"

@@ -49,8 +49,8 @@ class Snapshot:
     opened: bool = False     # manifest.json was opened on it
     released: bool = False
     # Pages stored as blobs for copies out of it (LiveView.page_blob): page
-    # index -> its store's (digest, size, row); storing[ix] is set once tried.
-    blobs: dict[int, tuple[str, int, BlobRow]] = field(default_factory=dict)
+    # index -> its blob's row; storing[ix] is set once tried.
+    blobs: dict[int, BlobRow] = field(default_factory=dict)
     storing: dict[int, trio.Event] = field(default_factory=dict)
 
 

@@ -400,6 +400,8 @@ class LiveView(IncomingWrites):
                 or snap.released:
             return None
         eng = h.entry.engine
+        if self._storing is None:
+            self._storing = trio.CapacityLimiter(STORE_AT_ONCE)
         if h.kind == "manifest":
             if self.spawn is not None:
                 self._store_ahead(eng, snap, range(snap.n_pages))
@@ -411,24 +413,22 @@ class LiveView(IncomingWrites):
         else:
             self._store_ahead(eng, snap, range(h.ix, min(snap.n_pages, h.ix + COPY_AHEAD)))
         await snap.storing[h.ix].wait()
-        return snap.blobs.get(h.ix)
+        row = snap.blobs.get(h.ix)
+        return None if row is None else (row.digest, row.raw_size, row)
 
     def _store_ahead(self, eng: EngineSessions, snap: Snapshot, ixs: range) -> None:
         assert self.spawn is not None
-        if self._storing is None:
-            self._storing = trio.CapacityLimiter(STORE_AT_ONCE)
         for j in ixs:
             if j not in snap.storing:
                 ev = snap.storing[j] = trio.Event()
                 self.spawn(self._store_page, eng, snap, j, ev)
 
     async def _store_page(self, eng: EngineSessions, snap: Snapshot, ix: int, done: trio.Event) -> None:
-        assert self.store_blob is not None
+        assert self.store_blob is not None and self._storing is not None
         try:
-            async with self._storing or trio.CapacityLimiter(1):
+            async with self._storing:
                 # Hashed and compressed where the engine gathered it (no copy).
-                row = await eng.with_page(snap, PageIndex(ix), self.store_blob)
-            snap.blobs[ix] = (row.digest, row.raw_size, row)
+                snap.blobs[ix] = await eng.with_page(snap, PageIndex(ix), self.store_blob)
         except Exception as e:  # (the engine went, the store is full): the copy moves the bytes, and says why
             log.debug("engines/%s/%s: page %d not stored ahead of its copy: %s", eng.name,
                       snap.session, ix, e)
