@@ -231,16 +231,22 @@ def test_a_damaged_blob_gives_an_integrity_error_naming_the_page(mnt):
     frame = bytearray(path.read_bytes())
     frame[len(frame) // 2] ^= 0x40
     path.write_bytes(bytes(frame))
+    assert_refused_naming(mnt / "a", 3, m.pages[3])
+    mnt.skip_check = True  # the damage is on purpose
+
+
+def assert_refused_naming(session: Path, ix: int, digest: str) -> None:
+    """A page-in of *session* into a fresh pool raises DamagedPage naming page
+    *ix* and its blob, and leaves the pool and its allocator as they were."""
     fresh = pool_of(8, seed=12)
     before = fresh.clone_layers()
     fb = bridge_of(fresh)
     free = fb.allocator.num_free()
     with pytest.raises(DamagedPage) as e:
-        fb.page_in(mnt / "a")
-    assert "page 000003" in str(e.value) and m.pages[3] in str(e.value)
+        fb.page_in(session)
+    assert page_name(ix) in str(e.value) and digest in str(e.value)
     assert fb.allocator.num_free() == free
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.layers))
-    mnt.skip_check = True  # the damage is on purpose
 
 
 def test_another_uid_without_access_to_the_store_goes_through_the_mount(mount_factory, tmp_path):
