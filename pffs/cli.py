@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from typing import Callable
 
 from . import __version__
 from .errors import PffsError
+
+TYPE_CHECKING = False   # (typing.TYPE_CHECKING, without importing typing: see main)
+if TYPE_CHECKING:
+    import argparse
+    from typing import Callable
 
 
 def _human(n: float) -> str:
@@ -177,10 +180,19 @@ def cmd_umount(args) -> int:
 
 
 def cmd_fork(args) -> int:
-    from . import tools
-    n = tools.fork(args.src, args.dst)
+    from .forks import fork
+    n = fork(args.src, args.dst)
     print(f"{args.dst}: forked from {args.src}, {n} pages")
     return 0
+
+
+class _ForkArgs:
+    """``pffs fork SRC DST`` as argparse would give it (see :func:`main`)."""
+
+    cmd, func = "fork", staticmethod(cmd_fork)
+
+    def __init__(self, src: str, dst: str):
+        self.src, self.dst = src, dst
 
 
 def cmd_seal(args) -> int:
@@ -364,6 +376,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     Building every subparser costs more than a quick command like fork
     itself takes to start; ``pffs --help`` and a mistyped command get them all.
     """
+    import argparse
     p = argparse.ArgumentParser(prog="pffs", description=__doc__ and
                                 "KV caches as files: mount, inspect, fork and back up LLM KV caches.")
     p.add_argument("--version", action="version", version=f"pffs {__version__}")
@@ -381,11 +394,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+    args: argparse.Namespace | _ForkArgs
+    if len(argv) == 3 and argv[0] == "fork" and not any(a.startswith("-") for a in argv[1:]):
+        # The command scripts run most and a restore waits on: without
+        # argparse (and the re, gettext and typing it imports), a third of
+        # the time Python takes to start.
+        args = _ForkArgs(argv[1], argv[2])
+    else:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
     try:
         return args.func(args)
     except PffsError as e:

@@ -135,7 +135,7 @@ def pull(name: str, dest: str, *, store: str | None = None) -> tuple[int, int]:
         m = mf.parse(data)
     except mf.ManifestError as e:
         raise PffsError(f"{blobs.url} {name}: {e}") from None
-    from .tools import place_manifest
+    from .forks import place_manifest
     place_manifest(d, data)  # its close looks the pages up in the bucket and forks them
     present = sum(1 for i in range(len(m.pages)) if (d / mf.PAGES_DIR / mf.page_name(i)).exists())
     return present, len(m.pages)

@@ -7,29 +7,20 @@ import os
 from pathlib import Path
 
 from .errors import PffsError
+from .forks import fork, mount_root, place_manifest  # noqa: F401  (the session tools' API)
 from .layout import MANIFEST_NAME, PAGES_DIR
 from .types import Digest
 
-# Imported where used: ``pffs fork`` runs in about the time Python takes to
-# start, and the manifest model, subprocess and hashlib would add a third.
+# Imported where used: the manifest model, subprocess and hashlib (a quick
+# command would pay for them all).
 
 DIGEST_XATTR = "user.pffs.digest"
-ENTRIES_XATTR = "user.pffs.entries"
-FORK_XATTR = "user.pffs.fork"
-SAVE_XATTR = "user.pffs.save"
-LOAD_XATTR = "user.pffs.load"
-ENGINES = "engines"
 
 
 def pffs_root(path: Path) -> Path | None:
     """The mount point of the pffs holding *path*, or None."""
-    p = path.absolute()
-    while True:
-        if os.path.ismount(p):
-            return p if (p / ".pffs" / "version").exists() else None
-        if p.parent == p:
-            return None
-        p = p.parent
+    root = mount_root(path)
+    return None if root is None else Path(root)
 
 
 def daemon_info(mountpoint: Path) -> dict[str, str]:
@@ -109,126 +100,6 @@ def file_digest(path: Path) -> Digest:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
         return Digest("sha256:" + h.hexdigest())
-
-
-def fork(src: str, dst: str) -> int:
-    """Metadata-only fork: DST gets SRC's manifest and, at once, every page (no bytes moved).
-
-    Returns the number of pages that appeared. Both must be on the same pffs.
-    The daemon validates the manifest as it takes its name; only a refusal
-    is parsed here, to say why.
-    """
-    s, d = Path(src), Path(dst)
-    man = s / MANIFEST_NAME
-    live_dst = _live_target(d)
-    if live_dst is not None:
-        return _load_into(s, *live_dst)
-    if d.exists() or d.is_symlink():
-        raise PffsError(f"{d}: already exists")
-    rs, rd = pffs_root(s), pffs_root(d.parent)
-    rel_s = Path(os.path.relpath(os.path.realpath(s), os.path.realpath(rs))) if rs is not None else None
-    # (A live session's manifest.json is made on demand, every page hashed: not looked at here.)
-    live_src = rel_s is not None and rel_s.parts[:1] == (ENGINES,) and len(rel_s.parts) == 3
-    if not (s.is_dir() if live_src else man.is_file()):
-        raise PffsError(f"{s}: not a session (no manifest.json)")
-    if rs is None or rd is None or rs != rd:
-        raise PffsError("fork needs SRC and DST on the same mounted pffs")
-    if live_src:
-        # A live request: its engine pages it out to DST itself.
-        rel_d = os.path.relpath(os.path.realpath(d.parent), os.path.realpath(rd)) + "/" + d.name
-        try:
-            os.setxattr(s, SAVE_XATTR, os.fsencode(rel_d))
-        except OSError as e:
-            raise PffsError(f"{s}: the engine could not save it as {d}: {e.strerror}") from None
-        return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
-    # The daemon clones the manifest it holds; if it will not (another
-    # version, an S3 store, a manifest it has not accepted, a path it cannot
-    # follow as given), the bytes are copied, and their close says why.
-    rel = os.fsencode(os.path.relpath(os.path.realpath(man), os.path.realpath(rs)))
-    try:
-        _make_session(d, lambda: os.setxattr(d, FORK_XATTR, rel))
-        return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
-    except PffsError:
-        pass
-    data = man.read_bytes()
-    try:
-        place_manifest(d, data)
-    except PffsError:
-        from . import manifest as mf
-        try:
-            mf.parse(data)
-        except mf.ManifestError as e:
-            raise PffsError(f"{man}: {e}") from None
-        raise
-    # The number of page files, without listing them (10,000 names cost a
-    # tenth of a second through FUSE).
-    return int(os.getxattr(d / PAGES_DIR, ENTRIES_XATTR))
-
-
-def _live_target(d: Path) -> tuple[Path, Path, str] | None:
-    """(mount root, engines/E folder, session name) when *d* is ``engines/E`` or
-    ``engines/E/NAME`` of a mounted pffs, else None."""
-    for folder, name in ((d, ""), (d.parent, d.name)):
-        if not folder.is_dir():
-            continue
-        root = pffs_root(folder)
-        if root is None:
-            continue
-        rel = Path(os.path.relpath(os.path.realpath(folder), os.path.realpath(root)))
-        if rel.parts[:1] == (ENGINES,) and len(rel.parts) == 2:
-            return root, folder, name
-    return None
-
-
-def _load_into(s: Path, root: Path, engine_dir: Path, name: str) -> int:
-    """``pffs fork SRC engines/E[/NAME]``: engine E pages SRC in itself; its page count."""
-    import json
-    man = s / MANIFEST_NAME
-    if not man.is_file():
-        raise PffsError(f"{s}: not a session (no manifest.json)")
-    rel = os.path.relpath(os.path.realpath(s), os.path.realpath(root))
-    if rel.startswith(".."):
-        raise PffsError("fork needs SRC and DST on the same mounted pffs")
-    name = name or s.name
-    try:
-        os.setxattr(engine_dir, LOAD_XATTR, json.dumps({"session": rel, "name": name}).encode())
-    except OSError as e:
-        raise PffsError(f"{engine_dir}/{name}: the engine refused {s}: {e.strerror}") from None
-    try:
-        return len(json.loads(man.read_bytes()).get("pages", []))
-    except (OSError, ValueError):
-        return 0
-
-
-def place_manifest(d: Path, data: bytes) -> None:
-    """Make session folder *d* with an empty ``pages/``, then write its manifest.json.
-
-    The close of the manifest validates it and, on a pffs mount, makes every
-    listed page whose blob is stored appear (the metadata-only fork).  On any
-    failure *d* is removed again.
-    """
-    def write():
-        fd = os.open(d / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-    _make_session(d, write)
-
-
-def _make_session(d: Path, give_manifest) -> None:
-    """Make folder *d* and an empty ``d/pages/``, then ``give_manifest()``; on an
-    OSError after *d* exists, *d* is removed again and PffsError says why."""
-    d.mkdir()
-    try:
-        (d / PAGES_DIR).mkdir()
-        give_manifest()
-    except OSError as e:
-        import shutil
-        shutil.rmtree(d, ignore_errors=True)
-        raise PffsError(f"{d}: {e.strerror}") from None
 
 
 def seal(session: str) -> tuple[int, int]:
