@@ -143,13 +143,30 @@ def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
+# Planes are split SPLIT_STEP values (u16) at a time through a temporary that
+# stays in the CPU's cache. One pass over a whole page wrote a temporary of
+# twice its plane's size, pages the kernel had to map and zero each time
+# where buffers that large are mapped (the daemon): a 2 MiB page's planes
+# split at 2.0 GB/s there, 3.3 GB/s so; a 64 MiB block's at 1.0-2.2, 4.2.
+SPLIT_STEP = 128 << 10
+
+
 def split_planes(data) -> tuple[np.ndarray, np.ndarray, bytes]:
     """(low bytes, high bytes, odd tail byte) of the 16-bit little-endian values in *data*
     (the planes as contiguous uint8 arrays, never copied into bytes)."""
     a = np.frombuffer(data, dtype=np.uint8)
     n = len(a) & ~1
     w = a[:n].view("<u2")
-    return w.astype(np.uint8), (w >> 8).astype(np.uint8), a[n:].tobytes()
+    m = len(w)
+    lo, hi = np.empty(m, np.uint8), np.empty(m, np.uint8)
+    tmp = np.empty(min(m, SPLIT_STEP), "<u2")
+    for at in range(0, m, SPLIT_STEP):
+        part = w[at:at + SPLIT_STEP]
+        t = tmp[:len(part)]
+        np.copyto(lo[at:at + SPLIT_STEP], part, casting="unsafe")   # (the cast keeps the low byte)
+        np.right_shift(part, 8, out=t)
+        np.copyto(hi[at:at + SPLIT_STEP], t, casting="unsafe")
+    return lo, hi, a[n:].tobytes()
 
 
 def join_planes(lo, hi, tail) -> bytes:
