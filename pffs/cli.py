@@ -396,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     args: argparse.Namespace | _ForkArgs
     if len(argv) == 3 and argv[0] == "fork" and not any(a.startswith("-") for a in argv[1:]):
-        # The command scripts run most and a restore waits on: without
-        # argparse (and the re, gettext and typing it imports), a third of
-        # the time Python takes to start.
+        # The command scripts run most and a restore waits on, parsed
+        # without argparse: it and what it imports (re, gettext, typing)
+        # took longer than Python's own start (docs/performance.md).
         args = _ForkArgs(argv[1], argv[2])
     else:
         parser = build_parser(argv)

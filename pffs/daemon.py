@@ -201,6 +201,7 @@ class Daemon:
         self._reserve: SpaceReserve | None = None
         self.remote: RemoteMount | None = None    # of an S3 store
         self.journals: list[str] = []
+        self.trim_heaps: Callable[[], None] | None = None     # (see _fix_malloc)
 
     ops: Made[Handlers] = Made()
     db: Made[Database] = Made()
@@ -304,6 +305,8 @@ class Daemon:
             nursery.start_soon(self.ops.invalidate.run)
             nursery.start_soon(self._signals, nursery)
             nursery.start_soon(self._periodic)
+            if self.trim_heaps is not None:
+                nursery.start_soon(self._trim_heaps)
             nursery.start_soon(self._syncer)
             # stat() of the mount needs the loop to answer: do it from a thread.
             nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
@@ -335,6 +338,12 @@ class Daemon:
                 log.info("signal %d: unmounting", sig)
                 pyfuse3.terminate()
                 return
+
+    async def _trim_heaps(self) -> None:
+        assert self.trim_heaps is not None
+        while True:
+            await trio.sleep(HEAP_TRIM_INTERVAL)
+            await trio.to_thread.run_sync(self.trim_heaps)
 
     async def _periodic(self) -> None:
         last_snapshot = time.monotonic()
@@ -413,37 +422,45 @@ class Daemon:
         log.info("unmounted %s", self.mountpoint)
 
 
-def _fix_mmap_threshold() -> None:
-    """Buffers of 4 MiB and more always come from mmap, and go back when freed.
+def _fix_malloc() -> Callable[[], None] | None:
+    """Page-sized buffers from glibc's heaps, block-sized ones mapped; returns
+    what gives the heaps' free pages back (see Daemon._trim_heaps), or None.
 
-    glibc raises its mmap threshold (up to 32 MiB) each time such a buffer is
-    freed; the daemon's block-sized buffers (reads, decodes, commits on several
-    threads) then stay in its heaps.  Under fsstress -n 500 -p 4 the daemon's
-    peak RSS went from 1.14 GB to 0.73-0.84 GB with the threshold fixed.  At
-    1 MiB, every buffer of a 2 MiB page (its bytes, its frame, its planes) was
-    a fresh mapping, its pages faulted in and zeroed each time: a cold read of
-    512 MiB of such pages took 1.29 s, against 0.98 s at 4 MiB.  The heap
-    keeps up to 8 MiB free at its top (it gave back every freed page before,
-    so the next one faulted in again: 0.90-1.0 GB/s encoding 2 MiB pages
-    against 1.26 GB/s).
+    glibc raises its mmap threshold (up to 32 MiB) each time a mapped buffer
+    is freed; the daemon's block-sized buffers (reads, decodes, commits on
+    several threads) then stay in its heaps.  Under fsstress -n 500 -p 4 the
+    daemon's peak RSS went from 1.14 GB to 0.73-0.84 GB with the threshold
+    fixed.  Fixed at 1 MiB, every buffer of a 2 MiB page (its bytes, its
+    frame, its planes) was a fresh mapping, its pages faulted in and zeroed
+    each time, and one freed atop a heap went back at once: a cold read of
+    512 MiB of such pages took 1.29 s, against 0.98 s with buffers under
+    4 MiB from the heaps, 4 MiB kept free atop them; a page's encode ran at
+    0.90-1.0 GB/s, against 1.24.  Two arenas, not glibc's eight a core,
+    and the heaps trimmed each second bound what they keep (fsstress's peak
+    RSS: docs/performance.md).
     """
     import ctypes
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
-        return  # (not glibc)
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return None  # (not glibc)
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+    mallopt(M_ARENA_MAX, 2)
     mallopt(M_MMAP_THRESHOLD, MMAP_FROM)
-    mallopt(M_TRIM_THRESHOLD, MMAP_FROM * 2)
+    mallopt(M_TRIM_THRESHOLD, MMAP_FROM)
+    return lambda: malloc_trim(0)
 
 
-#: Buffers of this many bytes and more are mapped (see _fix_mmap_threshold).
+#: Buffers of this many bytes and more are mapped (see _fix_malloc).
 MMAP_FROM = 4 << 20
+#: Seconds between two trims of the heaps (see _fix_malloc).
+HEAP_TRIM_INTERVAL = 1.0
 
 
 def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foreground: bool,
         ready_fd: int | None = None) -> int:
-    _fix_mmap_threshold()
+    trim_heaps = _fix_malloc()
     st = StoreDir(store_dir, opts.codec, remote=opts.remote)
     mp = Path(mountpoint).absolute()
 
@@ -464,6 +481,7 @@ def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foregroun
     sys.setswitchinterval(0.0005)
     faulthandler.enable(open(st.log_path, "a"))
     d = Daemon(st, mp, opts)
+    d.trim_heaps = trim_heaps
     try:
         check_mountpoint(mp)
         d.prepare()
