@@ -50,6 +50,7 @@ from typing import Any, Callable, Union
 
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, IntegrityError, MissingBlob, PffsError
+from pffs.forks import write_new
 from pffs.manifest import MANIFEST_NAME, PAGES_DIR, Manifest, ManifestError, page_name, parse
 from pffs.store.framecache import PeekCache
 from pffs.store.local import LocalBlobStore
@@ -401,13 +402,7 @@ class DirectSink:
         if self._hold is not None:
             self._hold.release()
             self._hold = None
-        fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(manifest)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        write_new(self.tmp / MANIFEST_NAME, manifest)
         self._fill_missing(manifest)
         rename_noreplace(self.tmp, self.dest)
         self._done = True

@@ -153,15 +153,19 @@ def place_manifest(d: str | os.PathLike, data: bytes) -> None:
     listed page whose blob is stored appear (the metadata-only fork).  On any
     failure *d* is removed again.
     """
-    def write():
-        fd = os.open(os.path.join(d, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-    _make_session(d, write)
+    _make_session(d, lambda: write_new(os.path.join(d, MANIFEST_NAME), data))
+
+
+def write_new(path: str | os.PathLike, data: bytes) -> None:
+    """Create file *path* (it must not exist) holding *data* (its close is where
+    pffs checks a manifest.json)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def _make_session(d: str | os.PathLike, give_manifest) -> None:
