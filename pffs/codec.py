@@ -145,9 +145,10 @@ def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
 
 # Planes are split SPLIT_STEP values (u16) at a time through a temporary that
 # stays in the CPU's cache. One pass over a whole page wrote a temporary of
-# twice its plane's size, pages the kernel had to map and zero each time
-# where buffers that large are mapped (the daemon): a 2 MiB page's planes
-# split at 2.0 GB/s there, 3.3 GB/s so; a 64 MiB block's at 1.0-2.2, 4.2.
+# twice its plane's size, whose pages the kernel maps and zeroes each time
+# where buffers that large are mapped (the daemon's 64 MiB blocks): a 2 MiB
+# page's planes split at 3.3 GB/s this way against 2.0 GB/s so, a 64 MiB
+# block's at 4.2 against 1.0-2.2 GB/s.
 SPLIT_STEP = 128 << 10
 
 
