@@ -190,7 +190,8 @@ def _connection_aborted(e: BaseException) -> bool:
 
 
 class Daemon:
-    def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions):
+    def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions, *,
+                 trim_heaps: Callable[[], None] | None = None):
         self.store = store
         self.mountpoint = mountpoint
         self.opts = opts
@@ -201,7 +202,7 @@ class Daemon:
         self._reserve: SpaceReserve | None = None
         self.remote: RemoteMount | None = None    # of an S3 store
         self.journals: list[str] = []
-        self.trim_heaps: Callable[[], None] | None = None     # (see _fix_malloc)
+        self.trim_heaps = trim_heaps     # (see _fix_malloc)
 
     ops: Made[Handlers] = Made()
     db: Made[Database] = Made()
@@ -480,8 +481,7 @@ def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foregroun
     # FUSE loop's latency low while they run.
     sys.setswitchinterval(0.0005)
     faulthandler.enable(open(st.log_path, "a"))
-    d = Daemon(st, mp, opts)
-    d.trim_heaps = trim_heaps
+    d = Daemon(st, mp, opts, trim_heaps=trim_heaps)
     try:
         check_mountpoint(mp)
         d.prepare()
