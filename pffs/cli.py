@@ -157,6 +157,9 @@ def cmd_prune(args) -> int:
 
 
 def cmd_mount(args) -> int:
+    if args.foreground and args.own_process:
+        from . import heap
+        heap.reexec_with_thp()   # (before the daemon's imports: its malloc settings)
     from . import daemon
     opts = daemon.parse_options(args.o)
     store = args.store
@@ -392,6 +395,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None     # (this process's command line: cmd_mount may run it again)
     if argv is None:
         argv = sys.argv[1:]
     args: argparse.Namespace | _ForkArgs
@@ -406,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
+        args.own_process = own_process
     try:
         return args.func(args)
     except PffsError as e:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import pyfuse3
 import trio
 
-from . import namespace
+from . import heap, namespace
 from .errors import PffsError
 from .fs.staging import journal_inode
 from .store.local import LocalBlobStore, PutBatch
@@ -202,7 +202,7 @@ class Daemon:
         self._reserve: SpaceReserve | None = None
         self.remote: RemoteMount | None = None    # of an S3 store
         self.journals: list[str] = []
-        self.trim_heaps = trim_heaps     # (see _fix_malloc)
+        self.trim_heaps = trim_heaps     # (see heap.fix_malloc)
 
     ops: Made[Handlers] = Made()
     db: Made[Database] = Made()
@@ -343,7 +343,7 @@ class Daemon:
     async def _trim_heaps(self) -> None:
         assert self.trim_heaps is not None
         while True:
-            await trio.sleep(HEAP_TRIM_INTERVAL)
+            await trio.sleep(heap.HEAP_TRIM_INTERVAL)
             await trio.to_thread.run_sync(self.trim_heaps)
 
     async def _periodic(self) -> None:
@@ -423,45 +423,9 @@ class Daemon:
         log.info("unmounted %s", self.mountpoint)
 
 
-def _fix_malloc() -> Callable[[], None] | None:
-    """Page-sized buffers from glibc's heaps, block-sized ones mapped; returns
-    what gives the heaps' free pages back (see Daemon._trim_heaps), or None.
-
-    glibc raises its mmap threshold (up to 32 MiB) each time a mapped buffer
-    is freed; the daemon's block-sized buffers (reads, decodes, commits on
-    several threads) then stay in its heaps.  Under fsstress -n 500 -p 4 the
-    daemon's peak RSS went from 1.14 GB to 0.73-0.84 GB with the threshold
-    fixed.  Fixed at 1 MiB, every buffer of a 2 MiB page (its bytes, its
-    frame, its planes) was a fresh mapping, its pages faulted in and zeroed
-    each time, and one freed atop a heap went back at once: a cold read of
-    512 MiB of such pages took 1.29 s, against 0.98 s with buffers under
-    4 MiB from the heaps, 4 MiB kept free atop them; a page's encode ran at
-    0.90-1.0 GB/s, against 1.24.  Two arenas, not glibc's eight a core,
-    and the heaps trimmed each second bound what they keep (fsstress's peak
-    RSS: docs/performance.md).
-    """
-    import ctypes
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):
-        return None  # (not glibc)
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-    mallopt(M_ARENA_MAX, 2)
-    mallopt(M_MMAP_THRESHOLD, MMAP_FROM)
-    mallopt(M_TRIM_THRESHOLD, MMAP_FROM)
-    return lambda: malloc_trim(0)
-
-
-#: Buffers of this many bytes and more are mapped (see _fix_malloc).
-MMAP_FROM = 4 << 20
-#: Seconds between two trims of the heaps (see _fix_malloc).
-HEAP_TRIM_INTERVAL = 1.0
-
-
 def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foreground: bool,
         ready_fd: int | None = None) -> int:
-    trim_heaps = _fix_malloc()
+    trim_heaps = heap.fix_malloc()
     st = StoreDir(store_dir, opts.codec, remote=opts.remote)
     mp = Path(mountpoint).absolute()
 
@@ -516,7 +480,7 @@ def spawn(store_dir: str | None, mountpoint: str, raw_opts: list[str]) -> None:
     cmd.append(mountpoint)
     with open(st.log_path, "ab") as logf:
         proc = subprocess.Popen(cmd, pass_fds=(w,), start_new_session=True, stdin=subprocess.DEVNULL,
-                                stdout=logf, stderr=logf)
+                                stdout=logf, stderr=logf, env=heap.thp_environ())
     os.close(w)
     with os.fdopen(r, "rb") as f:
         text = f.readline().decode(errors="replace").strip()

@@ -139,3 +139,23 @@ def test_a_large_random_block_is_stored_raw_and_a_partly_random_one_compressed()
     f = codec.encode(mixed)
     assert codec.read_header(f).codec.id == codec.CODEC_PLANES_ZSTD and len(f) < 2 << 20
     assert codec.decode(f) == mixed
+
+
+def test_a_large_blocks_planes_on_two_threads_give_the_same_frame(bf16_pages):
+    from concurrent.futures import ThreadPoolExecutor
+    # A block past PARALLEL_FROM, of real KV values with an odd tail byte.
+    block = b"".join(bf16_pages * (-(-codec.PARALLEL_FROM // sum(map(len, bf16_pages))) + 1))
+    block = block[:codec.PARALLEL_FROM + 3]
+    calls = []
+    with ThreadPoolExecutor(1) as pool:
+        orig = pool.submit
+
+        def submit(fn, *a):
+            calls.append(fn.__name__)
+            return orig(fn, *a)
+        pool.submit = submit    # type: ignore[method-assign]
+        frame = codec.encode(block, "planes-zstd1", pool=pool)
+        assert codec.encode(block[:-4096], "planes-zstd1", pool=pool)   # (under PARALLEL_FROM: no help)
+    assert calls == ["_plane_payload"]
+    assert frame == codec.encode(block, "planes-zstd1")
+    assert codec.decode(frame) == block

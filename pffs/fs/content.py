@@ -290,7 +290,7 @@ class ContentStore:
                 data += bytes(BLOCK_SIZE - len(data))   # (a hole at the end)
             d = digest_of(data)
             rows: list[BlobRow] = []
-            self._put(data, d, self.pending, rows)
+            self._put(data, d, self.pending, rows, frame=self._large_frame(data))
             if stg.pins is not None:
                 stg.pins.add([d])
             return rows[0]
@@ -328,7 +328,9 @@ class ContentStore:
         only if the blob is new.
         """
         n = memoryview(data).nbytes
-        if not SPECULATE_MIN <= n <= SPECULATE_MAX:
+        if n > SPECULATE_MAX:
+            return self._put(data, digest_of(data), batch, rows, frame=self._large_frame(data))
+        if n < SPECULATE_MIN:
             return self._put(data, digest_of(data), batch, rows)
         fut = self.encoders.submit(codec_mod.encode, data, self.blobs.codec)
         try:
@@ -336,6 +338,11 @@ class ContentStore:
         finally:
             fut.cancel()
             wait([fut])     # (the staged bytes are not read once the commit goes on)
+
+    def _large_frame(self, data):
+        """The frame of a large block, made only if its blob is new: its two
+        planes compressed at once, one on an encoder thread (codec.encode)."""
+        return functools.partial(codec_mod.encode, data, self.blobs.codec, pool=self.encoders)
 
     def _put(self, data, d: str, batch, rows: list[BlobRow], frame=None) -> str:
         """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""
