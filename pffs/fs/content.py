@@ -299,13 +299,17 @@ class ContentStore:
         """A blob's bytes, decoded and verified (a large one within the block budget)."""
         return self.blobs.get(digest, hold=self.block_budget.hold)
 
-    def store_bytes(self, data) -> BlobRow:
+    def store_bytes(self, data, digest: str | None = None) -> BlobRow:
         """In a commit thread: store *data* as one blob now (a page a copy will
-        name next: see name_if_stored); its row."""
+        name next: see name_if_stored); its row.  *digest*: the bytes' sha256
+        where the caller knows it already (a live snapshot's manifest lists it)."""
         with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
             batch = self.blobs.batch() if self.sync_on_close else self.pending
             rows: list[BlobRow] = []
-            self._hash_and_put(data, batch, rows)
+            if digest is None:
+                self._hash_and_put(data, batch, rows)
+            else:
+                self._put(data, digest, batch, rows)
             if self.sync_on_close:
                 batch.sync()
             return rows[0]

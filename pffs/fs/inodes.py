@@ -109,19 +109,29 @@ class Invalidator:
         self._send, self._recv = trio.open_memory_channel(10000)
 
     async def run(self) -> None:
-        async for ino, attr_only in self._recv:
+        async for ino, what in self._recv:
             try:
-                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, attr_only)
+                if isinstance(what, bytes):
+                    await trio.to_thread.run_sync(pyfuse3.invalidate_entry, ino, what)
+                else:
+                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, what)
             except OSError as e:
                 if e.errno not in (errno.ENOENT, errno.ENOTCONN):
-                    log.debug("invalidate inode %d: %s", ino, e)
+                    log.debug("invalidate inode %d (%r): %s", ino, what, e)
 
     def inode(self, ino: int, attr_only: bool) -> None:
         """Have the kernel forget what it cached of *ino* (its attributes only, or its pages too)."""
+        self._queue(ino, attr_only)
+
+    def entry(self, parent: int, name: bytes) -> None:
+        """Have the kernel forget the name *name* in folder *parent*."""
+        self._queue(parent, name)
+
+    def _queue(self, ino: int, what: bool | bytes) -> None:
         try:
-            self._send.send_nowait((ino, attr_only))
+            self._send.send_nowait((ino, what))
         except trio.WouldBlock:
-            log.debug("invalidation queue full, dropping inode %d", ino)
+            log.debug("invalidation queue full, dropping inode %d (%r)", ino, what)
 
     def announce(self, created) -> None:
         """Tell the kernel about page files that appeared by themselves (forks).

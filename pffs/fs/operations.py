@@ -351,7 +351,8 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
         # something reads or changes them before the engine takes the session.
         live.fetch_blob = lambda digest: reader.blob(digest, ns.ROOT_INODE)
         # A live page copied out of engines/ is stored as a blob (ahead of the copy).
-        live.store_blob = lambda data: content.workers.call(content.store_bytes, data)
+        live.store_blob = lambda data, digest=None: content.workers.call(content.store_bytes, data, digest)
+        live.invalidate = invalidate
 
         def spawn(fn, *args) -> None:
             if files.nursery is None:

@@ -53,6 +53,10 @@ class LiveRegistry(Generic[Engine, Entry]):
         self.hash_limiter = trio.CapacityLimiter(2)
         #: the socket server's nursery while it serves (pffs.live.server)
         self.nursery: trio.Nursery | None = None
+        #: called with an engine's name when it attaches (True) or detaches
+        #: (False), after self.engines changed (pffs.live.view: what the
+        #: kernel cached of engines/ goes)
+        self.changed: Callable[[str, bool], None] = lambda name, attached: None
 
     def new_key(self, obj: Engine | Entry) -> int:
         key = self._next_key

@@ -163,6 +163,7 @@ class LiveEngines:
         engine = LiveEngine(self.registry, reg, chan, shm, 0)
         engine.key = self.registry.new_key(engine)
         self.registry.engines[reg.name] = engine
+        self.registry.changed(reg.name, True)
         try:
             await chan.send({"op": "registered", "ok": True, "version": PROTOCOL_VERSION,
                              "live_path": f"engines/{reg.name}"})

@@ -10,20 +10,24 @@ key *k* owns ``LIVE_BASE + k * SPAN`` and up::
     +PAGE_OFFSET+i  pages/NNNNNN (page i) of a live session
 
 Keys are never reused while the daemon runs, so a re-attached engine gets
-new inodes.  Nothing here is cached by the kernel: attr and entry timeouts
-are 0 and every file is opened with direct_io.  Which snapshot a reader sees
+new inodes.  The kernel caches ``engines/`` and ``engines/NAME`` only, whose
+entries and attributes are invalidated when an engine attaches or detaches;
+below them attr and entry timeouts are 0 and every file is opened with
+direct_io.  Which snapshot a reader sees
 is decided by its process (pffs.live.engines.LiveEngine.snapshot_for).
 """
 
 from __future__ import annotations
 
+import collections
 import errno
+import functools
 import logging
 import os
 import stat
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
@@ -35,6 +39,9 @@ from ..namespace import ROOT_INODE, BlobRow, now_ns
 from ..types import FileHandle, InodeNo, PageIndex
 from .engines import LiveEngine, Registry
 from .errors import EngineGone
+
+if TYPE_CHECKING:
+    from ..fs.inodes import Invalidator
 from .handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
 from .incoming import MANIFEST, PAGES, Node
 from .sessions import EngineSessions, SessionEntry, Snapshot
@@ -50,6 +57,9 @@ FH_BASE = DH_BASE = LIVE_HANDLES
 ENGINES_NAME = b"engines"
 # Pages of a live snapshot stored as blobs ahead of a copy out of it (page_blob),
 # and how many are read and stored at once (each holds a page in memory).
+# Seconds the kernel may keep engines/ and engines/NAME (invalidated at every
+# attach and detach: see LiveView._cached).
+ENGINE_DIRS_TIMEOUT = 300.0
 COPY_AHEAD = 4
 STORE_AT_ONCE = 4
 ROOT_COOKIE = 1 << 62               # readdir cookie of engines/ in the root, past every row id
@@ -61,15 +71,21 @@ class LiveView(IncomingWrites):
         self.reg = registry
         # Set by pffs.fs.operations.build: a blob of the mount's store made of
         # some bytes (its row), and how to start work in the background.
-        self.store_blob: Callable[[memoryview], Awaitable[BlobRow]] | None = None
+        self.store_blob: Callable[..., Awaitable[BlobRow]] | None = None   # (bytes, digest=None)
         self.spawn: Callable[..., None] | None = None
-        self._storing: trio.CapacityLimiter | None = None
+        # Pages of live snapshots queued to be stored ahead of copies out of
+        # them (_store_ahead), and the tasks storing them.
+        self._store_queue: collections.deque[tuple[EngineSessions, Snapshot, int]] = collections.deque()
+        self._store_runners = 0
         #: open files, by handle (pffs.fs.virtual.EnginesTree finds them here)
         self.handles: dict[FileHandle, Any] = {}
         self.dirs: dict[FileHandle, DirHandle] = {}
         self._next_fh = FH_BASE
         self._next_dh = DH_BASE
         self._t = now_ns()
+        # Set by pffs.fs.operations.build: the kernel cache invalidations.
+        self.invalidate: Invalidator | None = None
+        registry.changed = self._engine_changed
 
     # -- numbering -----------------------------------------------------------
 
@@ -134,12 +150,32 @@ class LiveView(IncomingWrites):
         return a
 
     def _engines_attr(self) -> pyfuse3.EntryAttributes:
-        return self._attr(ENGINES_INO, stat.S_IFDIR | 0o755, nlink=2 + len(self.reg.engines))
+        return self._cached(self._attr(ENGINES_INO, stat.S_IFDIR | 0o755, nlink=2 + len(self.reg.engines)))
 
     def _engine_attr(self, eng: LiveEngine) -> pyfuse3.EntryAttributes:
         # Owned by the mount's owner (not the engine's uid, which may be root):
         # that is who copies sessions in.
-        return self._attr(self.base(eng.key), stat.S_IFDIR | 0o755, nlink=2, mtime_ns=eng.attached_ns)
+        return self._cached(self._attr(self.base(eng.key), stat.S_IFDIR | 0o755, nlink=2,
+                                       mtime_ns=eng.attached_ns))
+
+    def _cached(self, a: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
+        """``engines/`` and ``engines/NAME`` are the same for every process and
+        change only when an engine attaches or detaches, which invalidates them
+        (_engine_changed): the kernel may keep them, so that a path through
+        them costs no LOOKUP and GETATTR of each (a `cp -r` out of engines/
+        asked both of both twice a file)."""
+        if self.invalidate is not None:
+            a.entry_timeout = a.attr_timeout = ENGINE_DIRS_TIMEOUT
+        return a
+
+    def _engine_changed(self, name: str, attached: bool) -> None:
+        if self.invalidate is None:
+            return
+        self.invalidate.inode(ENGINES_INO, True)     # (its link count)
+        if not attached:
+            self.invalidate.entry(ENGINES_INO, os.fsencode(name))
+            if not self.reg.engines:
+                self.invalidate.entry(ROOT_INODE, ENGINES_NAME)
 
     def _session_attr(self, entry: SessionEntry, j: int = 0, snap: Snapshot | None = None,
                       ix: int = 0) -> pyfuse3.EntryAttributes:
@@ -400,8 +436,6 @@ class LiveView(IncomingWrites):
                 or snap.released:
             return None
         eng = h.entry.engine
-        if self._storing is None:
-            self._storing = trio.CapacityLimiter(STORE_AT_ONCE)
         if h.kind == "manifest":
             if self.spawn is not None:
                 self._store_ahead(eng, snap, range(snap.n_pages))
@@ -417,18 +451,41 @@ class LiveView(IncomingWrites):
         return None if row is None else (row.digest, row.raw_size, row)
 
     def _store_ahead(self, eng: EngineSessions, snap: Snapshot, ixs: range) -> None:
+        """Queue pages *ixs* to be stored, in order: STORE_AT_ONCE tasks take
+        them first come first served, so the page a copy asks for next is
+        among the first stored.  (A task a page, each waiting its turn at a
+        limiter, stored them in whatever order trio woke the tasks: from the
+        last page back, so that cp waited on page 0 until nearly all were
+        stored.)"""
         assert self.spawn is not None
         for j in ixs:
             if j not in snap.storing:
-                ev = snap.storing[j] = trio.Event()
-                self.spawn(self._store_page, eng, snap, j, ev)
+                snap.storing[j] = trio.Event()
+                self._store_queue.append((eng, snap, j))
+        while self._store_runners < min(STORE_AT_ONCE, len(self._store_queue)):
+            self._store_runners += 1
+            self.spawn(self._store_runner)
+
+    async def _store_runner(self) -> None:
+        try:
+            while self._store_queue:
+                eng, snap, ix = self._store_queue.popleft()
+                await self._store_page(eng, snap, ix, snap.storing[ix])
+        finally:
+            self._store_runners -= 1
 
     async def _store_page(self, eng: EngineSessions, snap: Snapshot, ix: int, done: trio.Event) -> None:
-        assert self.store_blob is not None and self._storing is not None
+        assert self.store_blob is not None
         try:
-            async with self._storing:
-                # Hashed and compressed where the engine gathered it (no copy).
-                snap.blobs[ix] = await eng.with_page(snap, PageIndex(ix), self.store_blob)
+            # Hashed and compressed where the engine gathered it (no copy); not
+            # hashed again where manifest.json listed it already (a snapshot's
+            # pages read the same bytes for as long as it lives).  The pages
+            # queued next are gathered with it, a batch a request to the engine.
+            digest = snap.skeleton.pages[ix] if snap.manifest is not None and snap.skeleton else None
+            ahead = [PageIndex(j) for j in range(ix + 1, min(snap.n_pages, ix + eng.gather_batch()))
+                     if j in snap.storing and j not in snap.blobs]
+            snap.blobs[ix] = await eng.with_page(
+                snap, PageIndex(ix), functools.partial(self.store_blob, digest=digest), ahead)
         except Exception as e:  # (the engine went, the store is full): the copy moves the bytes, and says why
             log.debug("engines/%s/%s: page %d not stored ahead of its copy: %s", eng.name,
                       snap.session, ix, e)
