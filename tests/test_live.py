@@ -634,3 +634,27 @@ def test_page_in_refusals_leave_the_engine_as_it_was(mnt):
             assert [s.id for s in small.seq_blocks()] == ["long"]
         assert_self_consistent(mnt / "engines/esmall/synced")
         assert tree_digest(mnt / "engines/esmall/synced/pages") == tree_digest(mnt / "snap/pages")
+
+
+def test_engine_folders_are_kept_by_the_kernel_until_an_engine_detaches(mnt):
+    e1 = ReferenceEngine(seed=SEED, name="e1")
+    with Agent(ReferenceAdapter(e1), mnt.path, "e1", staging_bytes=1 << 20):
+        wait_for(lambda: (mnt / "engines/e1").exists(), what="engines/e1")
+        ino = os.stat(mnt / "engines/e1").st_ino
+        before = requests(mnt)
+        for _ in range(20):
+            assert os.stat(mnt / "engines/e1").st_ino == ino
+        after = requests(mnt)
+        # engines/ and engines/e1 were cached: 20 path walks asked nothing
+        # (uncached, each asked a LOOKUP and a GETATTR of both, 40 of each);
+        # what was asked is reading stats.json itself (uncached).
+        assert after.get("lookup", 0) - before.get("lookup", 0) <= 4
+        assert after.get("getattr", 0) - before.get("getattr", 0) <= 6
+    # The detach made the kernel forget them: both gone for a stat, not only a listing.
+    wait_for(lambda: not os.path.lexists(mnt / "engines/e1"), timeout=5, what="engines/e1 forgotten")
+    wait_for(lambda: not os.path.lexists(mnt / "engines"), timeout=5, what="engines/ forgotten")
+    e1b = ReferenceEngine(seed=SEED, name="e1")
+    with Agent(ReferenceAdapter(e1b), mnt.path, "e1", staging_bytes=1 << 20):
+        wait_for(lambda: (mnt / "engines/e1").exists(), what="engines/e1 again")
+        assert os.stat(mnt / "engines/e1").st_ino != ino     # a new engine: new inode numbers
+        assert listing(mnt / "engines") == ["e1"]
