@@ -449,6 +449,7 @@ class LiveEngine(EngineSessions):
         """Forget a session being copied in, and the memory it held."""
         inc, entry.incoming = entry.incoming, None
         if inc is not None:
+            self.registry.incoming_gone(self.key, entry.key, entry.name, list(inc.root.children))
             freed = inc.drop()
             self.incoming_bytes -= freed
             self.registry.incoming_bytes -= freed

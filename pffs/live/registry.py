@@ -57,6 +57,10 @@ class LiveRegistry(Generic[Engine, Entry]):
         #: (False), after self.engines changed (pffs.live.view: what the
         #: kernel cached of engines/ goes)
         self.changed: Callable[[str, bool], None] = lambda name, attached: None
+        #: called with (engine key, session key, session name, names in its
+        #: folder) when a session being copied in goes: loaded, removed or
+        #: failed (pffs.live.view: what the kernel cached of its folders goes)
+        self.incoming_gone: Callable[[int, int, str, list[bytes]], None] = lambda *a: None
 
     def new_key(self, obj: Engine | Entry) -> int:
         key = self._next_key

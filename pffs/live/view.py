@@ -86,6 +86,7 @@ class LiveView(IncomingWrites):
         # Set by pffs.fs.operations.build: the kernel cache invalidations.
         self.invalidate: Invalidator | None = None
         registry.changed = self._engine_changed
+        registry.incoming_gone = self._incoming_gone
 
     # -- numbering -----------------------------------------------------------
 
@@ -198,7 +199,21 @@ class LiveView(IncomingWrites):
                        2 + sum(c.is_dir for c in node.children.values()) if node.is_dir else 1,
                        node.mtime_ns)
         a.st_atime_ns, a.st_ctime_ns = node.atime_ns, node.ctime_ns
-        return a
+        # A file or folder of a session being copied in changes only by requests
+        # through the mount (the kernel sees them) until the session goes
+        # (_incoming_gone invalidates it): the kernel may keep it, so that cp -r
+        # of a session into engines/ costs no LOOKUP and GETATTR of NAME and
+        # NAME/pages a file.
+        return self._cached(a)
+
+    def _incoming_gone(self, engine_key: int, key: int, name: str, children: list[bytes]) -> None:
+        if self.invalidate is None:
+            return
+        base = self.base(key)
+        self.invalidate.inode(base, True)    # (now a live session's folder, or gone)
+        for child in children:
+            self.invalidate.entry(base, child)
+        self.invalidate.entry(self.base(engine_key), os.fsencode(name))
 
     def _bound(self, entry: SessionEntry, pid: int) -> Snapshot | None:
         s = entry.bound.get(pid) or entry.latest
