@@ -65,6 +65,7 @@ class SessionEntry:
         self.latest: Snapshot | None = None
         self.incoming: IncomingSession | None = None
         self.lock = trio.Lock()                  # one snapshot taken at a time
+        self.seen_ns = time.time_ns()            # (its folder's time: LiveView._session_attr)
 
     def busy(self) -> bool:
         return bool(self.incoming or self.latest or any(not s.released for s in self.bound.values()))

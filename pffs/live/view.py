@@ -34,6 +34,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from .. import manifest as mf
+from ..fs.files import NOFLUSH
 from ..fs.trees import LIVE_BASE, LIVE_END, LIVE_HANDLES
 from ..namespace import ROOT_INODE, BlobRow, now_ns
 from ..types import FileHandle, InodeNo, PageIndex
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from ..fs.inodes import Invalidator
 from .handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
 from .incoming import MANIFEST, PAGES, Node
-from .sessions import EngineSessions, SessionEntry, Snapshot
+from .sessions import LIST_TTL, EngineSessions, SessionEntry, Snapshot
 from .writes import _PARSE_INLINE, IncomingWrites  # noqa: F401 (_PARSE_INLINE: still importable here)
 
 log = logging.getLogger("pffs.live")
@@ -184,10 +185,19 @@ class LiveView(IncomingWrites):
         uid, gid = self.reg.uid, self.reg.gid
         t = snap.taken_ns if snap is not None else eng.attached_ns
         base = self.base(entry.key)
-        if j == 0:
-            return self._attr(base, stat.S_IFDIR | 0o755, uid=uid, gid=gid, nlink=3, mtime_ns=t)
-        if j == PAGES_J:
-            return self._attr(base + PAGES_J, stat.S_IFDIR | 0o755, uid=uid, gid=gid, nlink=2, mtime_ns=t)
+        if j == 0 or j == PAGES_J:
+            # A live session's folder and its pages/ are the same for every
+            # process (their time is when the session was first seen): the
+            # kernel may keep them for as long as the daemon keeps its list
+            # of the engine's sessions (LIST_TTL), which bounds how long an
+            # ended session is seen anyway.  cp -r out of engines/ asked a
+            # LOOKUP and a GETATTR of both twice a file.  What is in them
+            # depends on the reader's snapshot, and stays uncached.
+            a = self._attr(base + j, stat.S_IFDIR | 0o755, uid=uid, gid=gid, nlink=3 if j == 0 else 2,
+                           mtime_ns=entry.seen_ns)
+            if self.invalidate is not None:
+                a.entry_timeout = a.attr_timeout = LIST_TTL
+            return a
         if j == MANIFEST_J:
             size = len(snap.manifest) if snap is not None and snap.manifest is not None else 0
             return self._attr(base + MANIFEST_J, stat.S_IFREG | 0o644, size, uid, gid, mtime_ns=t)
@@ -417,7 +427,11 @@ class LiveView(IncomingWrites):
                 raise FUSEError(errno.ENOENT)
             snap.refs += 1
             h = Handle(kind, obj, snap, PageIndex(extra or 0))
-        return pyfuse3.FileInfo(fh=self._new_handle(h), direct_io=True, keep_cache=False)
+        fh = self._new_handle(h)
+        if NOFLUSH and not writable:
+            # (Nothing to do at a reader's close: no FLUSH request for it.)
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, noflush=True)
+        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     @_errors
     async def read(self, h: Handle, off: int, size: int) -> bytes:
