@@ -13,8 +13,9 @@ in this process, through engine_bridge.agent.  Prints MB/s of:
   blocks, gathers each page into shared staging and hashes it), then every
   page file (served from staging, or gathered again from the pinned blocks);
 - ``cp -r`` of the live session into the store, beside the page-out through the mount;
-- ``pffs fork`` of the live session out of ``engines/`` (the engine pages it
-  out itself) and ``pffs fork`` and ``cp -r`` of a session into ``engines/`` (a
+- ``pffs fork`` and ``cp -r`` of the live session out of ``engines/`` (the engine
+  pages it out itself; the daemon stores the pages it gathers) and ``pffs fork``
+  and ``cp -r`` of a session into ``engines/`` (a
   second engine pages it in), beside the bridge's own page-out and page-in through the mount (both
   by the direct path where this process may use the store).
 Needs root (FUSE).
@@ -220,18 +221,21 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
                                 str(mnt.path / "engines" / "loader" / f"c{next(g)}")], check=True)
             # Alternating rounds (this host's speed drifts between runs): each
             # pffs fork beside the bridge's own page-out or page-in, the same bytes.
-            times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "pi", "fi", "ci")}
+            times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "co", "pi", "fi", "ci")}
             for _ in range(args.repeat):
                 perturb(pool)
                 times["po"].append(timed(out_mount))
                 perturb(pool)
                 times["fo"].append(timed(fork_out))
+                perturb(pool)
+                times["co"].append(timed(cp_live))
                 times["pi"].append(timed(in_mount))
                 times["fi"].append(timed(fork_in))
                 times["ci"].append(timed(cp_in))
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append(("alternating: bridge page-out -> mount (median)", size, med["po"]))
             rows.append(("live: pffs fork out of engines/ (median; the engine pages out)", size, med["fo"]))
+            rows.append(("live: cp -r out of engines/ (median; the daemon stores the pages)", size, med["co"]))
             rows.append(("alternating: bridge page-in <- mount (median)", size, med["pi"]))
             rows.append(("live: pffs fork into engines/ (median; the engine pages in)", size, med["fi"]))
             rows.append(("live: cp -r into engines/ (median; the engine pages in)", size, med["ci"]))
@@ -259,6 +263,9 @@ def report(rows: list[tuple[str, int, float]]) -> None:
           f"{page_out / fork_out:.2f}x the speed (medians of alternating rounds)")
     print(f"pffs fork into engines/ vs the bridge's page-in through the mount: {page_in / fork_in:.2f}x "
           "the speed (medians of alternating rounds)")
+    cp_out = base["live: cp -r out of engines/ (median; the daemon stores the pages)"][2]
+    print(f"cp -r of the live session out of engines/ vs the bridge's page-out through the mount: "
+          f"{page_out / cp_out:.2f}x the speed (medians of alternating rounds)")
     cp_in = base["live: cp -r into engines/ (median; the engine pages in)"][2]
     print(f"cp -r of a session into engines/ vs the bridge's page-in through the mount: "
           f"{page_in / cp_in:.2f}x the speed (medians of alternating rounds)")
