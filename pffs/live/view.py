@@ -201,8 +201,15 @@ class LiveView(IncomingWrites):
         if j == MANIFEST_J:
             size = len(snap.manifest) if snap is not None and snap.manifest is not None else 0
             return self._attr(base + MANIFEST_J, stat.S_IFREG | 0o644, size, uid, gid, mtime_ns=t)
-        return self._attr(base + PAGE_OFFSET + ix, stat.S_IFREG | 0o644, eng.page_bytes, uid, gid,
-                          mtime_ns=t)
+        a = self._attr(base + PAGE_OFFSET + ix, stat.S_IFREG | 0o644, eng.page_bytes, uid, gid,
+                       mtime_ns=t)
+        if self.invalidate is not None:
+            # The name only (a page's number is its inode's): its attributes,
+            # and whether it is in the reader's snapshot, are asked each time
+            # (getattr, open), so a name kept after the request changed costs
+            # nothing wrong.  cp -r out of engines/ looked up each page twice.
+            a.entry_timeout = LIST_TTL
+        return a
 
     def _node_attr(self, node: Node) -> pyfuse3.EntryAttributes:
         a = self._attr(node.ino, node.mode, node.size, node.uid, node.gid,
@@ -314,6 +321,10 @@ class LiveView(IncomingWrites):
             return self._session_attr(obj, 0, snap)
         if kind == "pages":
             return self._session_attr(obj, PAGES_J, snap)
+        if snap is None:
+            snap = await obj.engine.snapshot_for(obj, pid, fresh=False)
+        if extra >= snap.n_pages:
+            raise FUSEError(errno.ENOENT)   # (a name the kernel kept: not in this reader's snapshot)
         return self._session_attr(obj, PAGE_OFFSET, snap, extra)
     # -- folders ---------------------------------------------------------------------
 
