@@ -288,9 +288,16 @@ class ContentStore:
             data = os.pread(fd, BLOCK_SIZE, bn * BLOCK_SIZE)
             if len(data) < BLOCK_SIZE:
                 data += bytes(BLOCK_SIZE - len(data))   # (a hole at the end)
-            d = digest_of(data)
+            # A sequential writer's blocks are new: hashed on an encoder thread
+            # while this one and another compress the planes (the frame is
+            # dropped if the blob exists after all).
+            digest = self.encoders.submit(digest_of, data)
+            try:
+                frame = codec_mod.encode(data, self.blobs.codec, pool=self.encoders)
+            finally:
+                d = digest.result()
             rows: list[BlobRow] = []
-            self._put(data, d, self.pending, rows, frame=self._large_frame(data))
+            self._put(data, d, self.pending, rows, frame=frame)
             if stg.pins is not None:
                 stg.pins.add([d])
             return rows[0]
