@@ -276,8 +276,8 @@ def encode(data, codec: Codec | str = DEFAULT_CODEC, pool: Executor | None = Non
     """Frame *data* with *codec*; falls back to raw when the gain is < 5 %.
 
     *pool*: helper threads for a large block (PARALLEL_FROM bytes or more):
-    its planes are compressed at once, two cores' worth (a 64 MiB block of
-    bf16 values: about 2.2x one thread's speed on two cores, hashing included).
+    its two planes are compressed at once, the high one on *pool* (the same
+    frame, in about half the time on two cores: docs/performance.md).
     """
     if isinstance(codec, str):
         codec = parse_codec(codec)

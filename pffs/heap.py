@@ -13,8 +13,8 @@ Two things, both glibc's own switches:
   and zeroed by the kernel at every use: 4 KiB at a time that ran at
   3.0 GB/s here, 2 MiB at a time at 16 GB/s, and a 64 MiB block's commit
   touches about 200 MiB of fresh buffers (its bytes, planes, their zstd
-  frames, the joined frame).  fio's sequential 1 MiB writes into the mount
-  went from 150-183 to 246 MiB/s (docs/performance.md).
+  frames, the joined frame).  fio's sequential 1 MiB writes into the mount:
+  150-183 MiB/s without, 204-251 with (docs/performance.md).
 """
 
 from __future__ import annotations
