@@ -10,11 +10,14 @@ key *k* owns ``LIVE_BASE + k * SPAN`` and up::
     +PAGE_OFFSET+i  pages/NNNNNN (page i) of a live session
 
 Keys are never reused while the daemon runs, so a re-attached engine gets
-new inodes.  The kernel caches ``engines/`` and ``engines/NAME`` only, whose
-entries and attributes are invalidated when an engine attaches or detaches;
-below them attr and entry timeouts are 0 and every file is opened with
-direct_io.  Which snapshot a reader sees
-is decided by its process (pffs.live.engines.LiveEngine.snapshot_for).
+new inodes.  What the kernel may keep (each told where it changes):
+``engines/`` and ``engines/NAME`` (invalidated when an engine attaches or
+detaches); the files and folders of a session being copied in (invalidated
+when it goes); a live session's folder, its ``pages/`` and its page names
+for LIST_TTL, as long as the daemon keeps its own list of the engine's
+sessions.  The attributes of a live session's files are never kept, and
+every file is opened with direct_io.  Which snapshot a reader sees is
+decided by its process (pffs.live.engines.LiveEngine.snapshot_for).
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ from ..namespace import ROOT_INODE, BlobRow, now_ns
 from ..types import FileHandle, InodeNo, PageIndex
 from .engines import LiveEngine, Registry
 from .errors import EngineGone
-
-if TYPE_CHECKING:
-    from ..fs.inodes import Invalidator
 from .handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
 from .incoming import MANIFEST, PAGES, Node
 from .sessions import LIST_TTL, EngineSessions, SessionEntry, Snapshot
 from .writes import _PARSE_INLINE, IncomingWrites  # noqa: F401 (_PARSE_INLINE: still importable here)
+
+if TYPE_CHECKING:
+    from ..fs.inodes import Invalidator
 
 log = logging.getLogger("pffs.live")
 
@@ -56,11 +59,11 @@ ENGINES_INO = LIVE_BASE
 # File and folder handles are two number spaces (pffs.fs.trees.FILE_HANDLES, DIR_HANDLES).
 FH_BASE = DH_BASE = LIVE_HANDLES
 ENGINES_NAME = b"engines"
-# Pages of a live snapshot stored as blobs ahead of a copy out of it (page_blob),
-# and how many are read and stored at once (each holds a page in memory).
 # Seconds the kernel may keep engines/ and engines/NAME (invalidated at every
 # attach and detach: see LiveView._cached).
 ENGINE_DIRS_TIMEOUT = 300.0
+# Pages of a live snapshot stored as blobs ahead of a copy out of it (page_blob),
+# and how many are read and stored at once (each holds a page in memory).
 COPY_AHEAD = 4
 STORE_AT_ONCE = 4
 ROOT_COOKIE = 1 << 62               # readdir cookie of engines/ in the root, past every row id
