@@ -90,7 +90,10 @@ def reexec_with_thp() -> None:
     environment (glibc reads its tunables only at a process's start); returns
     only when there is nothing to add."""
     env = thp_environ()
-    if env is not None and getattr(sys, "orig_argv", None):
+    if env is not None and getattr(sys, "orig_argv", None) and sys.executable:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, sys.orig_argv, env)
+        try:
+            os.execve(sys.executable, sys.orig_argv, env)
+        except OSError as e:   # (then the daemon runs without: slower, not wrong)
+            print(f"pffs mount: could not run again with {HUGETLB}=1: {e}", file=sys.stderr)

@@ -62,3 +62,16 @@ def _cmdline(p: Path) -> str:
         return p.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_a_failed_re_exec_mounts_without_the_tunable(monkeypatch, capsys):
+    # An optimisation only: if the exec fails, the daemon goes on in this process.
+    if not heap._glibc_has_hugetlb():
+        pytest.skip("this libc has no glibc.malloc.hugetlb")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+
+    def fail(*a):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(heap.os, "execve", fail)
+    heap.reexec_with_thp()      # returns
+    assert "could not run again with glibc.malloc.hugetlb=1" in capsys.readouterr().err
