@@ -3,6 +3,7 @@ the daemon's process however it is started."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,13 @@ def _environ(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
 
 
-def test_thp_environ_adds_the_tunable_and_keeps_a_users_choice():
-    if not heap._glibc_has_hugetlb():
-        pytest.skip("this libc has no glibc.malloc.hugetlb")
+def test_the_supported_systems_glibc_takes_the_tunable():
+    # Debian 12 has glibc 2.36 and Ubuntu 22.04 2.35; the tunable came in 2.35.
+    assert heap._glibc_has_hugetlb(), os.confstr("CS_GNU_LIBC_VERSION")
+
+
+def test_thp_environ_adds_the_tunable_and_keeps_a_users_choice(monkeypatch):
+    monkeypatch.setattr(heap, "_glibc_has_hugetlb", lambda: True)
     assert heap.thp_environ({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     env = heap.thp_environ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
     assert env is not None
@@ -27,11 +32,12 @@ def test_thp_environ_adds_the_tunable_and_keeps_a_users_choice():
     # Set already, either way: nothing to add, so no re-exec (and no loop of them).
     assert heap.thp_environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
     assert heap.thp_environ({"GLIBC_TUNABLES": "x.y=1:glibc.malloc.hugetlb=1"}) is None
+    # A libc without it (older glibc, musl): nothing to add, the daemon runs as before.
+    monkeypatch.setattr(heap, "_glibc_has_hugetlb", lambda: False)
+    assert heap.thp_environ({"A": "1"}) is None
 
 
 def test_a_foreground_daemon_runs_with_the_tunable_same_pid(mnt):
-    if not heap._glibc_has_hugetlb():
-        pytest.skip("this libc has no glibc.malloc.hugetlb")
     # `pffs mount -f` ran itself again with the tunable (glibc reads it at
     # exec only), in the process the mount's caller started.
     assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in _environ(mnt.proc.pid)
@@ -40,8 +46,6 @@ def test_a_foreground_daemon_runs_with_the_tunable_same_pid(mnt):
 
 
 def test_a_detached_daemon_runs_with_the_tunable(tmp_path):
-    if not heap._glibc_has_hugetlb():
-        pytest.skip("this libc has no glibc.malloc.hugetlb")
     store, mp = tmp_path / "store", tmp_path / "mp"
     mp.mkdir()
     try:
@@ -66,8 +70,7 @@ def _cmdline(p: Path) -> str:
 
 def test_a_failed_re_exec_mounts_without_the_tunable(monkeypatch, capsys):
     # An optimisation only: if the exec fails, the daemon goes on in this process.
-    if not heap._glibc_has_hugetlb():
-        pytest.skip("this libc has no glibc.malloc.hugetlb")
+    monkeypatch.setattr(heap, "_glibc_has_hugetlb", lambda: True)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
 
     def fail(*a):
