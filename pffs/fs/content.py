@@ -288,16 +288,8 @@ class ContentStore:
             data = os.pread(fd, BLOCK_SIZE, bn * BLOCK_SIZE)
             if len(data) < BLOCK_SIZE:
                 data += bytes(BLOCK_SIZE - len(data))   # (a hole at the end)
-            # A sequential writer's blocks are new: hashed on an encoder thread
-            # while this one and another compress the planes (the frame is
-            # dropped if the blob exists after all).
-            digest = self.encoders.submit(digest_of, data)
-            try:
-                frame = codec_mod.encode(data, self.blobs.codec, pool=self.encoders)
-            finally:
-                d = digest.result()
             rows: list[BlobRow] = []
-            self._put(data, d, self.pending, rows, frame=frame)
+            d = self._hash_and_put(data, self.pending, rows, new=True)
             if stg.pins is not None:
                 stg.pins.add([d])
             return rows[0]
@@ -330,17 +322,28 @@ class ContentStore:
                 return False
             return then()
 
-    def _hash_and_put(self, data, batch, rows: list[BlobRow]) -> str:
+    def _hash_and_put(self, data, batch, rows: list[BlobRow], *, new: bool = False) -> str:
         """Store one block's bytes under their digest; returns it.
 
         A page-sized block is compressed on a helper thread while this one
         hashes it, so a commit takes the longer of the two rather than their
         sum (a page file's close waits for its commit); the frame is used
-        only if the blob is new.
+        only if the blob is new.  A large block has its two planes compressed
+        at once, one on an encoder thread (codec.encode), once its hash says
+        the blob is new; or, when the caller says it likely is (*new*: a
+        sequential writer's block), while an encoder thread hashes it.
         """
         n = memoryview(data).nbytes
         if n > SPECULATE_MAX:
-            return self._put(data, digest_of(data), batch, rows, frame=self._large_frame(data))
+            encode = functools.partial(codec_mod.encode, data, self.blobs.codec, pool=self.encoders)
+            if not new:
+                return self._put(data, digest_of(data), batch, rows, frame=encode)
+            digest = self.encoders.submit(digest_of, data)
+            try:
+                frame = encode()
+            finally:
+                d = digest.result()
+            return self._put(data, d, batch, rows, frame=frame)
         if n < SPECULATE_MIN:
             return self._put(data, digest_of(data), batch, rows)
         fut = self.encoders.submit(codec_mod.encode, data, self.blobs.codec)
@@ -349,11 +352,6 @@ class ContentStore:
         finally:
             fut.cancel()
             wait([fut])     # (the staged bytes are not read once the commit goes on)
-
-    def _large_frame(self, data):
-        """The frame of a large block, made only if its blob is new: its two
-        planes compressed at once, one on an encoder thread (codec.encode)."""
-        return functools.partial(codec_mod.encode, data, self.blobs.codec, pool=self.encoders)
 
     def _put(self, data, d: str, batch, rows: list[BlobRow], frame=None) -> str:
         """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""

@@ -109,29 +109,26 @@ class Invalidator:
         self._send, self._recv = trio.open_memory_channel(10000)
 
     async def run(self) -> None:
-        async for ino, what in self._recv:
+        async for notify, ino, arg in self._recv:
             try:
-                if isinstance(what, bytes):
-                    await trio.to_thread.run_sync(pyfuse3.invalidate_entry, ino, what)
-                else:
-                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, what)
+                await trio.to_thread.run_sync(notify, ino, arg)
             except OSError as e:
                 if e.errno not in (errno.ENOENT, errno.ENOTCONN):
-                    log.debug("invalidate inode %d (%r): %s", ino, what, e)
+                    log.debug("%s of inode %d (%r): %s", notify.__name__, ino, arg, e)
 
     def inode(self, ino: int, attr_only: bool) -> None:
         """Have the kernel forget what it cached of *ino* (its attributes only, or its pages too)."""
-        self._queue(ino, attr_only)
+        self._queue(pyfuse3.invalidate_inode, ino, attr_only)
 
     def entry(self, parent: int, name: bytes) -> None:
         """Have the kernel forget the name *name* in folder *parent*."""
-        self._queue(parent, name)
+        self._queue(pyfuse3.invalidate_entry, parent, name)
 
-    def _queue(self, ino: int, what: bool | bytes) -> None:
+    def _queue(self, notify, ino: int, arg) -> None:
         try:
-            self._send.send_nowait((ino, what))
+            self._send.send_nowait((notify, ino, arg))
         except trio.WouldBlock:
-            log.debug("invalidation queue full, dropping inode %d (%r)", ino, what)
+            log.debug("invalidation queue full, dropping %s of inode %d", notify.__name__, ino)
 
     def announce(self, created) -> None:
         """Tell the kernel about page files that appeared by themselves (forks).
