@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import kv_pages  # noqa: E402
+from fs import Floor  # noqa: E402
 from mountutil import Mount  # noqa: E402
 from sessions import make_manifest  # noqa: E402
 
@@ -73,6 +75,10 @@ def checks(src: Path, dst: Path) -> bool:
     return r.returncode == 0
 
 
+def fmt(xs: list[float]) -> str:
+    return " ".join(f"{x:.3f}" for x in xs)
+
+
 def drop_caches() -> None:
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -111,6 +117,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=512, help="session size in MiB")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of cp -r within the mount")
     args = ap.parse_args()
     geometry = GEOMETRIES[args.geometry]
     work = Path(tempfile.mkdtemp(prefix="pffs-copies-", dir=args.dir))
@@ -134,10 +141,26 @@ def main() -> int:
         try:
             snap = timed("sh", "-c", f"cp -r '{work / 'src'}' '{m.path / 'a'}' && sync")
             snap_ratio = nbytes / stats(m.path)["stored_bytes"]
+            # cp -r within the mount, in rounds alternating with the same cp -r
+            # within a local folder and cp of as many files within pyfuse3 doing
+            # nothing (benchmarks/fuse_floor.py: the round trips alone).
             s0 = stats(m.path)["stored_bytes"]
-            t = timed("cp", "-r", m.path / "a", m.path / "b")
+            within, local_within, floor = [], [], []
+            with Floor(work / "floor", len(pages) + 1, len(pages[0])) as fl:
+                for r in range(args.rounds):
+                    local_within.append(timed("cp", "-r", work / "src", work / f"local-copy-{r}"))
+                    shutil.rmtree(work / f"local-copy-{r}")
+                    within.append(timed("cp", "-r", m.path / "a", m.path / ("b" if r == 0 else f"b{r}")))
+                    floor.append(timed("sh", "-c", f"mkdir '{fl}/c{r}' && cp '{fl}'/0* '{fl}/c{r}/'"))
+            med = statistics.median
+            t = med(within)
             rows.append(("cp -r within the mount", t, stats(m.path)["stored_bytes"] - s0,
                          checks(work / "src", m.path / "b")))
+            print(f"cp -r within the mount, {args.rounds} rounds: {fmt(within)} s; within a local folder:"
+                  f" {fmt(local_within)} s ({med(local_within) / t:.2f}x); cp of as many files within"
+                  f" pyfuse3 doing nothing: {fmt(floor)} s ({med(local_within) / med(floor):.2f}x)")
+            local = med(local_within)
+            rows[0] = (f"cp -r within a local folder (median of {args.rounds})", local, None, True)
             t = timed("sh", "-c", f"cp -r '{m.path / 'a'}' '{m.path / 'b2'}' && sync")
             rows.append(("cp -r + sync within the mount", t, None, checks(work / "src", m.path / "b2")))
             s0 = stats(m.path)["stored_bytes"]

@@ -6,7 +6,8 @@ same bytes held in memory (open, read, flush, release and getxattr answered
 at once, attributes cached by the kernel), so reading it through the kernel
 measures only the round trips that every pyfuse3 filesystem pays per file.
 It also takes new folders and files and drops what is written to them, so
-`cp -r` into it measures the same for writes.
+`cp -r` into it measures the same for writes, and `cp` of its files into a
+new folder within it the same for copies (copy_file_range).
 ``benchmarks/fs.py`` runs it beside pffs.
 
     python benchmarks/fuse_floor.py MOUNTPOINT N SIZE     (serves until unmounted)
@@ -109,6 +110,14 @@ class Floor(pyfuse3.Operations):
     async def write(self, fh, off, buf):
         self.sizes[fh] = max(self.sizes.get(fh, 0), off + len(buf))
         return len(buf)
+
+    # With the patched pyfuse3 (third_party/pyfuse3): `cp` of files within the
+    # mount is one copy_file_range a file, answered at once.
+    async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags):
+        size = self.sizes[fh_in] if fh_in in self.modes else len(self.data)
+        n = max(0, min(length, size - off_in))
+        self.sizes[fh_out] = max(self.sizes.get(fh_out, 0), off_out + n)
+        return n
 
 
 def main() -> int:

@@ -484,3 +484,44 @@ def test_a_copy_names_a_blob_stored_ahead_only_if_the_store_still_holds_it(ops):
     assert ns.read_file(conn, ops.content.blobs, a) == page
     assert ns.get_inode(conn, b).size == 0
     assert conn.execute("SELECT COUNT(*) FROM blobs WHERE digest=?", (gone.digest,)).fetchone()[0] == 0
+
+
+def test_a_change_made_on_the_event_loop_never_waits_for_a_lock(ops):
+    """``write_small`` runs a change on the loop only where it need not wait:
+    its transaction's busy timeout is 0 (the write connection's own is back
+    after), and with the write lock held by another process the change goes to
+    the writer thread, which waits for it while the loop runs on."""
+    import sqlite3
+    db = ops.db
+
+    def busy_timeout(conn):
+        return conn.execute("PRAGMA busy_timeout").fetchone()[0]
+
+    def mk(conn):
+        return ns.make_inode(conn, ns.ROOT_INODE, b"g", stat.S_IFREG | 0o644, 0, 0).id
+
+    other = sqlite3.connect(db.path, isolation_level=None)
+    ran_meanwhile = []
+
+    async def main():
+        assert await db.write_small(busy_timeout) == 0
+        assert db.counts == {"on_loop": 1, "by_writer": 0}
+        with db.writing() as conn:
+            assert busy_timeout(conn) == ns.BUSY_TIMEOUT_MS
+        other.execute("BEGIN IMMEDIATE")
+        async with trio.open_nursery() as nursery:
+            async def meanwhile():
+                with trio.fail_after(30):           # (a guard against a hang, not a timing)
+                    while db.counts["by_writer"] == 0:
+                        await trio.sleep(0.001)
+                ran_meanwhile.append(True)
+                other.execute("ROLLBACK")
+            nursery.start_soon(meanwhile)
+            ino = await db.write_small(mk)
+        return ino
+
+    ino = trio.run(main)
+    other.close()
+    assert ran_meanwhile == [True]
+    assert db.counts == {"on_loop": 1, "by_writer": 1}
+    assert ns.lookup(db.ro, ns.ROOT_INODE, b"g") == ino

@@ -65,6 +65,25 @@ def test_cp_r_of_a_session_within_the_mount_shares_its_blobs(mnt, bf16_pages, tm
     assert os.stat(mnt / "b" / "notes.bin").st_size == len(big)
 
 
+def test_names_times_and_shared_blobs_are_written_without_a_thread_hand_off(mnt, bf16_pages):
+    """With no other change in flight, a new name, a file given another's blobs
+    and a change of times are committed on the event loop: cp -a of a session
+    within the mount hands no transaction to the writer thread."""
+    pages = varied_pages(bf16_pages, 8)
+    write_session(mnt / "a", pages)
+    # (the session's own commits are the commit threads'; let any in flight end)
+    before = stats(mnt)["namespace_writes"]
+    run("cp", "-a", mnt / "a", mnt / "b")
+    after = stats(mnt)["namespace_writes"]
+    assert after["by_writer"] - before["by_writer"] == 0
+    # 2 folders and 9 files made, each given its content (or bytes) and its times
+    assert after["on_loop"] - before["on_loop"] >= 2 * 2 + 9 * 2
+    sums = run("sha256sum", *sorted(os.listdir(mnt / "a" / "pages")), cwd=mnt / "a" / "pages")
+    assert run("sha256sum", *sorted(os.listdir(mnt / "b" / "pages")), cwd=mnt / "b" / "pages") == sums
+    for name in ("manifest.json", "pages/000003"):
+        assert os.stat(mnt / "b" / name).st_mtime_ns == os.stat(mnt / "a" / name).st_mtime_ns
+
+
 @needs_patch
 def test_cp_r_within_the_mount_decodes_no_blob(mnt, bf16_pages):
     """cp opens every source file and copies it with copy_file_range, never

@@ -353,7 +353,7 @@ class Files:
                 blocks = ns.blocks_of(conn, src)
                 ns.set_content(conn, dst, node.size, node.digest, blocks, [], t)
                 return node.size, blocks
-            return self.db.write(fn)
+            return self.db.write_small(fn)
         return await self._fill_empty(dst, content)
 
     async def _fill_empty(self, ino: int, content) -> int | None:

@@ -175,7 +175,7 @@ class NamespaceTree(Tree):
                 st.staging.mtime_ns = attr.st_mtime_ns
         if changes or fields.update_size:
             changes["ctime_ns"] = attr.st_ctime_ns if fields.update_ctime else t
-            await self.db.write(lambda c: ns.set_attrs(c, inode, **changes))
+            await self.db.write_small(lambda c: ns.set_attrs(c, inode, **changes))
         return self._getattr(inode)
 
     async def readlink(self, inode, ctx):
@@ -189,7 +189,7 @@ class NamespaceTree(Tree):
     async def _make(self, parent, name, mode, ctx, rdev=0, target=None) -> pyfuse3.EntryAttributes:
         if reserved(parent, name):
             raise FUSEError(errno.EEXIST)
-        node = await self.db.write(ns.make_inode, parent, name, mode, ctx.uid, ctx.gid, rdev, target)
+        node = await self.db.write_small(ns.make_inode, parent, name, mode, ctx.uid, ctx.gid, rdev, target)
         self.inodes.looked_up(node.id)
         return self.attrs(node)
 

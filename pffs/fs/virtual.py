@@ -84,6 +84,7 @@ class PffsTree(Tree):
                                 "prefetched": self.reader.prefetched_blobs}
             figures["requests"] = dict(sorted(self.requests.items()))
             figures["copies"] = dict(self.copies)
+            figures["namespace_writes"] = dict(self.db.counts)
             return (json.dumps(figures, indent=2) + "\n").encode()
         if ino == STORE:
             return self.store_json

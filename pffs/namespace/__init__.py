@@ -47,6 +47,7 @@ from .pagelists import (
 )
 from .schema import (
     BLOCK_SIZE,
+    BUSY_TIMEOUT_MS,
     DB_NAME,
     DENTRY_COLUMNS,
     EMPTY_DIGEST,
@@ -104,6 +105,7 @@ from .tree import (
 
 __all__ = [
     "BLOCK_SIZE",
+    "BUSY_TIMEOUT_MS",
     "DB_NAME",
     "DENTRY_COLUMNS",
     "EMPTY_DIGEST",

@@ -182,6 +182,10 @@ def now_ns() -> int:
     return time.time_ns()
 
 
+#: How long a statement waits for another process's write lock (gc, check).
+BUSY_TIMEOUT_MS = 10000
+
+
 def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Connection:
     """Open the database with the settings every connection must share."""
     if readonly:
@@ -189,7 +193,7 @@ def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Conne
                                check_same_thread=False)
     else:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA busy_timeout = 10000")
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     if not readonly:
         conn.execute("PRAGMA journal_mode = WAL")
     # NORMAL in WAL mode: a commit survives a crash of the process (kill -9)
