@@ -148,6 +148,7 @@ def main() -> int:
             within, local_within, floor = [], [], []
             with Floor(work / "floor", len(pages) + 1, len(pages[0])) as fl:
                 for r in range(args.rounds):
+                    subprocess.run(["sync"], check=True)    # (no write-back left from the round before)
                     local_within.append(timed("cp", "-r", work / "src", work / f"local-copy-{r}"))
                     shutil.rmtree(work / f"local-copy-{r}")
                     within.append(timed("cp", "-r", m.path / "a", m.path / ("b" if r == 0 else f"b{r}")))

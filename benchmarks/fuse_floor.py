@@ -40,6 +40,7 @@ class Floor(pyfuse3.Operations):
         a.st_mode = (stat.S_IFDIR | 0o755) if ino == pyfuse3.ROOT_INODE else (stat.S_IFREG | 0o644)
         a.st_size = 0 if ino == pyfuse3.ROOT_INODE else len(self.data)
         a.st_nlink = 1
+        a.st_blocks = (a.st_size + 511) // 512    # (not sparse: cp copies it with copy_file_range)
         a.st_blksize = 1 << 20
         a.entry_timeout = a.attr_timeout = 300
         return a
@@ -98,6 +99,7 @@ class Floor(pyfuse3.Operations):
         a = self._attrs(ino)
         a.st_mode = self.modes[ino]
         a.st_size = self.sizes.get(ino, 0)
+        a.st_blocks = (a.st_size + 511) // 512
         return a
 
     async def mkdir(self, parent_inode, name, mode, ctx):
