@@ -5,7 +5,9 @@
    `cp -r` + `sync` into the mount, beside (a) the same copy into a plain
    local directory, (b) the same work done by plain tools: `sha256sum` of
    the files plus `zstd -1` of each into a local directory, + `sync`, and
-   (c) `cp -r` into a pyfuse3 filesystem that drops what it is given.
+   (c) `cp -r` into a pyfuse3 filesystem that drops what it is given, and
+   (f) `borg create --compression zstd,3` of the same folder (where borg is
+   installed).
 2. Read it back cold (remount, drop the kernel's caches) beside a cold read
    of the plain directory and (c) the same files served by a pyfuse3
    filesystem that does no work at all (benchmarks/fuse_floor.py): the round
@@ -19,6 +21,8 @@ Each is measured in --rounds rounds (3 by default; every write round into a
 new store), taking turns with its baselines; each figure is printed as the
 median, then every round's. Prints seconds, MB/s, stored bytes, the
 daemon's CPU time and peak RSS, and each ratio (per round, then the median).
+--geometry 8b writes Llama-3.1-8B's 2 MiB pages (benchmarks/copies.py's),
+the default the all-MiniLM-L6-v2 pages of the test data (144 KiB).
 Needs root (FUSE, drop_caches).
 """
 
@@ -99,6 +103,20 @@ def peak_rss(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def borg_create(src: Path, repo: Path) -> tuple[float, float]:
+    """Seconds of `borg create --compression zstd,3` of *src* into a new
+    repository, + sync, and its stored ratio (original / deduplicated size)."""
+    env = {**os.environ, "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes",
+           "BORG_RELOCATED_REPO_ACCESS_IS_OK": "yes", "BORG_BASE_DIR": str(repo.parent / "borg-home")}
+    subprocess.run(["borg", "init", "-e", "none", str(repo)], check=True, env=env, capture_output=True)
+    t = timed(lambda: (subprocess.run(["borg", "create", "--compression", "zstd,3", f"{repo}::s", src.name],
+                                      cwd=src.parent, check=True, env=env), sh("sync")))
+    info = json.loads(subprocess.run(["borg", "info", "--json", f"{repo}::s"], check=True, env=env,
+                                     capture_output=True, text=True).stdout)
+    st = info["archives"][0]["stats"]
+    return t, st["original_size"] / st["deduplicated_size"]
 
 
 def quick_forks(m, name: str, n: int, local: Path, tag: str = "") -> tuple[float, ...]:
@@ -184,6 +202,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of each measurement (medians printed, then every round)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)")
+    ap.add_argument("--geometry", choices=("small", "8b"), default="small",
+                    help="page size: all-MiniLM-L6-v2's 144 KiB (the test data) or Llama-3.1-8B's 2 MiB")
     args = ap.parse_args()
     rounds = range(args.rounds)
     med = statistics.median
@@ -210,11 +230,18 @@ def main() -> int:
         return m.start()
 
     try:
-        base = kv_pages("bf16")
-        n = args.mib * (1 << 20) // len(base[0])
-        pages = varied_pages(base, n)
+        if args.geometry == "8b":
+            from copies import GEOMETRIES, pages_of  # (copies imports this module)
+            geometry = GEOMETRIES["8b"]
+            pages = pages_of(geometry, args.mib << 20)
+            base = pages[:1]
+        else:
+            geometry = {}
+            base = kv_pages("bf16")
+            pages = varied_pages(base, args.mib * (1 << 20) // len(base[0]))
+        n = len(pages)
         src = work / "src"
-        write_session(src, pages)
+        write_session(src, pages, **geometry)
         del pages
         size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
         mb = size / 1e6
@@ -226,7 +253,8 @@ def main() -> int:
 
         # Writes: in each round (a), (b) and pffs, each into new folders (pffs:
         # a new store, so that nothing is deduplicated against an earlier round).
-        t_plain, t_tools, t_pffs, cpu_write = [], [], [], []
+        t_plain, t_tools, t_pffs, t_borg, cpu_write = [], [], [], [], []
+        borg_ratio = None
         files = sorted(str(p) for p in (src / "pages").iterdir()) + [str(src / "manifest.json")]
         ticks = cpu_ticks()
         for r in rounds:
@@ -238,6 +266,9 @@ def main() -> int:
                 subprocess.run(["sha256sum", *files], check=True, stdout=subprocess.DEVNULL),
                 sh("zstd", "-1", "-q", "-T1", "--output-dir-flat", str(zdir), *files), sh("sync"))))
             zbytes = sum(p.stat().st_size for p in zdir.iterdir())
+            if shutil.which("borg"):
+                t, borg_ratio = borg_create(src, work / f"borg{r}")
+                t_borg.append(t)
             m = new_mount(f"m{r}")
             c0 = cpu_seconds(m.proc.pid)
             t_pffs.append(timed(lambda: (sh("cp", "-r", str(src), str(m / "s")), sh("sync"))))
@@ -254,6 +285,14 @@ def main() -> int:
                                   ("(b) sha256sum + zstd -1 + sync", t_tools, zbytes),
                                   ("(c) cp -r to pyfuse3 doing nothing", t_wfloor, 0)):
             print(f"{label:34} {med(ts):8.2f} {mb / med(ts):8.0f} {stored / 2**20:11.1f}   ({each(ts)})")
+        if t_borg:
+            print(f"{'(f) borg create zstd,3 + sync':34} {med(t_borg):8.2f} {mb / med(t_borg):8.0f} "
+                  f"{size / borg_ratio / 2**20:11.1f}   ({each(t_borg)})")
+            vs_f = [f / p for f, p in zip(t_borg, t_pffs)]
+            print(f"pffs write / (f): {med(vs_f):.2f}x ({each(vs_f)}); stored ratio pffs "
+                  f"{size / st['stored_bytes']:.2f}x, borg {borg_ratio:.2f}x")
+        else:
+            print("(f) borg create: borg is not installed (apt install borgbackup)")
         vs_b = [b / p for b, p in zip(t_tools, t_pffs)]
         vs_a = [a / p for a, p in zip(t_plain, t_pffs)]
         print(f"pffs write / (b): {med(vs_b):.2f}x ({each(vs_b)})   pffs write / (a): {med(vs_a):.2f}x   "
@@ -301,7 +340,7 @@ def main() -> int:
         print(f"stored bytes added by {1 + 3 * args.rounds} forks: {after - before}")
 
         # ls -l of a big session (one page digest listed many times)
-        big = make_manifest(varied_pages(base, 1) * args.ls_pages)  # page 0 of the session
+        big = make_manifest(varied_pages(base, 1) * args.ls_pages, **geometry)  # page 0 of the session
         (m / "big" / "pages").mkdir(parents=True)
         (m / "big" / "manifest.json").write_bytes(big.to_json())
         assert len(os.listdir(m / "big" / "pages")) == args.ls_pages
