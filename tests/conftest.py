@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,8 @@ def mount_factory(tmp_path):
     from mountutil import Mount
     mounts: list[Mount] = []
 
+    open_roots: list[Path] = []
+
     def make(name: str = "m", store=None, opts=(), start=True, root=None) -> Mount:
         root = root or tmp_path / name
         root.mkdir(exist_ok=True)
@@ -52,9 +56,20 @@ def mount_factory(tmp_path):
         mounts.append(m)
         return m.start() if start else m
 
+    def open_root(prefix: str) -> Path:
+        """A folder other users can search, for a mount's root (tmp_path's
+        parents are private): removed once its mounts are gone."""
+        top = Path(tempfile.mkdtemp(prefix=prefix))
+        os.chmod(top, 0o755)
+        open_roots.append(top)
+        return top
+    make.open_root = open_root  # type: ignore[attr-defined]
+
     yield make
     from mountutil import stop_all
     failures = stop_all(mounts)
+    for top in open_roots:
+        shutil.rmtree(top)      # (raises if a mount kept something in it)
     for m in {str(x.store): x for x in mounts}.values():
         if (m.store / "namespace.db").exists() and not getattr(m, "skip_check", False):
             r = m.check_store()

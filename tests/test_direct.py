@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -252,38 +251,33 @@ def assert_refused_naming(session: Path, ix: int, digest: str) -> None:
 def test_another_uid_without_access_to_the_store_goes_through_the_mount(mount_factory, tmp_path):
     """An engine as uid 65534 may use the mount (allow_other, a folder of its own)
     but not the store folder: it logs why and pages out and in through the mount."""
-    top = Path(tempfile.mkdtemp(prefix="pffs-direct-uid-"))
-    os.chmod(top, 0o755)
-    try:
-        mnt = mount_factory(root=top / "m", store=tmp_path / "store", opts=["allow_other"])
-        os.chmod(top / "m", 0o755)
-        os.chmod(mnt.path, 0o755)
-        (mnt / "nobody").mkdir()
-        os.chown(mnt / "nobody", 65534, 65534)
-        site = next((REPO / ".venv" / "lib").glob("python3*/site-packages"))
-        code = (
-            "import logging, sys, torch\n"
-            "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')\n"
-            f"sys.path[:0] = [{str(REPO / 'tests')!r}]\n"
-            "from test_direct import pool_of, bridge_of, one_seq\n"
-            "from engine_bridge.direct import as_sink, store_access\n"
-            f"dest = {str(mnt / 'nobody' / 'a')!r}\n"
-            "assert store_access(dest) is None\n"
-            "pool = pool_of(16, seed=13); br = bridge_of(pool)\n"
-            "m = br.page_out([one_seq(pool)], dest)\n"
-            "res = br.page_in(dest)\n"
-            "print('pages', len(m.pages), len(res.blocks))\n")
-        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                            "/usr/bin/python3", "-c", code], cwd="/", capture_output=True, text=True,
-                           env={"PYTHONPATH": f"{site}:{REPO}", "PATH": os.environ["PATH"]}, timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert "pages 16 16" in r.stdout
-        assert "pages go through the mount: cannot" in r.stderr and "uid 65534" in r.stderr, r.stderr
-        st = os.stat(mnt / "nobody" / "a" / "manifest.json")
-        assert st.st_uid == 65534
-    finally:
-        import shutil
-        shutil.rmtree(top, ignore_errors=True)
+    top = mount_factory.open_root("pffs-direct-uid-")   # other users must reach the mount
+    mnt = mount_factory(root=top / "m", store=tmp_path / "store", opts=["allow_other"])
+    os.chmod(top / "m", 0o755)
+    os.chmod(mnt.path, 0o755)
+    (mnt / "nobody").mkdir()
+    os.chown(mnt / "nobody", 65534, 65534)
+    site = next((REPO / ".venv" / "lib").glob("python3*/site-packages"))
+    code = (
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')\n"
+        f"sys.path[:0] = [{str(REPO / 'tests')!r}]\n"
+        "from test_direct import pool_of, bridge_of, one_seq\n"
+        "from engine_bridge.direct import as_sink, store_access\n"
+        f"dest = {str(mnt / 'nobody' / 'a')!r}\n"
+        "assert store_access(dest) is None\n"
+        "pool = pool_of(16, seed=13); br = bridge_of(pool)\n"
+        "m = br.page_out([one_seq(pool)], dest)\n"
+        "res = br.page_in(dest)\n"
+        "print('pages', len(m.pages), len(res.blocks))\n")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        "/usr/bin/python3", "-c", code], cwd="/", capture_output=True, text=True,
+                       env={"PYTHONPATH": f"{site}:{REPO}", "PATH": os.environ["PATH"]}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "pages 16 16" in r.stdout
+    assert "pages go through the mount: cannot" in r.stderr and "uid 65534" in r.stderr, r.stderr
+    st = os.stat(mnt / "nobody" / "a" / "manifest.json")
+    assert st.st_uid == 65534
 
 
 def test_no_direct_path_where_the_daemon_does_not_offer_it(mount_factory, monkeypatch):

@@ -295,44 +295,37 @@ def test_the_fork_xattr_gives_a_folder_the_manifest_it_names(mnt, bf16_pages, tm
 def test_the_fork_xattr_checks_permissions_as_the_kernel_would(mount_factory, bf16_pages, tmp_path):
     """nobody may fork, into a folder of its own, a manifest it may read, and no other:
     search permission on each folder on the way, read permission on the file."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-    top = Path(tempfile.mkdtemp(prefix="pffs-fork-perm-"))   # other users must reach the mount
-    os.chmod(top, 0o755)
-    try:
-        mnt = mount_factory(root=top / "m", store=tmp_path / "store", opts=["allow_other"])
-        os.chmod(top / "m", 0o755)
-        os.chmod(mnt.path, 0o755)
-        pages = varied_pages(bf16_pages, 3, salt=42)
-        write_session(tmp_path / "a", pages)
-        (mnt / "t").mkdir()
-        subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "t" / "a")], check=True)
-        for f in ("n1", "n2", "n3"):
-            (mnt / f / "pages").mkdir(parents=True)
-            os.chown(mnt / f, 65534, 65534)
+    top = mount_factory.open_root("pffs-fork-perm-")   # other users must reach the mount
+    mnt = mount_factory(root=top / "m", store=tmp_path / "store", opts=["allow_other"])
+    os.chmod(top / "m", 0o755)
+    os.chmod(mnt.path, 0o755)
+    pages = varied_pages(bf16_pages, 3, salt=42)
+    write_session(tmp_path / "a", pages)
+    (mnt / "t").mkdir()
+    subprocess.run(["cp", "-r", str(tmp_path / "a"), str(mnt / "t" / "a")], check=True)
+    for f in ("n1", "n2", "n3"):
+        (mnt / f / "pages").mkdir(parents=True)
+        os.chown(mnt / f, 65534, 65534)
 
-        def as_nobody(folder: str) -> subprocess.CompletedProcess:
-            code = f"import os; os.setxattr({str(mnt / folder)!r}, 'user.pffs.fork', b't/a/manifest.json')"
-            return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                                   "/usr/bin/python3", "-c", code], cwd="/", capture_output=True, text=True,
-                                  timeout=60)
-        r = as_nobody("n1")
-        assert r.returncode == 0, r.stderr
-        st = os.stat(mnt / "n1" / "manifest.json")
-        assert (st.st_uid, st.st_gid) == (65534, 65534)
-        assert [os.stat(mnt / "n1" / "pages" / mf.page_name(i)).st_uid for i in range(3)] == [65534] * 3
-        os.chmod(mnt / "t" / "a" / "manifest.json", 0o600)
-        r = as_nobody("n2")
-        assert r.returncode != 0 and "Permission denied" in r.stderr
-        os.chmod(mnt / "t" / "a" / "manifest.json", 0o644)
-        os.chmod(mnt / "t", 0o700)
-        r = as_nobody("n3")
-        assert r.returncode != 0 and "Permission denied" in r.stderr
-        for f in ("n2", "n3"):
-            assert os.listdir(mnt / f) == ["pages"] and os.listdir(mnt / f / "pages") == []
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
+    def as_nobody(folder: str) -> subprocess.CompletedProcess:
+        code = f"import os; os.setxattr({str(mnt / folder)!r}, 'user.pffs.fork', b't/a/manifest.json')"
+        return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               "/usr/bin/python3", "-c", code], cwd="/", capture_output=True, text=True,
+                              timeout=60)
+    r = as_nobody("n1")
+    assert r.returncode == 0, r.stderr
+    st = os.stat(mnt / "n1" / "manifest.json")
+    assert (st.st_uid, st.st_gid) == (65534, 65534)
+    assert [os.stat(mnt / "n1" / "pages" / mf.page_name(i)).st_uid for i in range(3)] == [65534] * 3
+    os.chmod(mnt / "t" / "a" / "manifest.json", 0o600)
+    r = as_nobody("n2")
+    assert r.returncode != 0 and "Permission denied" in r.stderr
+    os.chmod(mnt / "t" / "a" / "manifest.json", 0o644)
+    os.chmod(mnt / "t", 0o700)
+    r = as_nobody("n3")
+    assert r.returncode != 0 and "Permission denied" in r.stderr
+    for f in ("n2", "n3"):
+        assert os.listdir(mnt / f) == ["pages"] and os.listdir(mnt / f / "pages") == []
 
 
 def test_a_page_list_found_whole_is_remembered_until_it_goes(mnt, bf16_pages, tmp_path):
