@@ -105,12 +105,15 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def borg_create(src: Path, repo: Path) -> tuple[float, float]:
+def borg_create(src: Path, repo: Path, before=None) -> tuple[float, float]:
     """Seconds of `borg create --compression zstd,3` of *src* into a new
-    repository, + sync, and its stored ratio (original / deduplicated size)."""
+    repository, + sync, and its stored ratio (original / deduplicated size);
+    *before*: called once the repository is made, just before the timing."""
     env = {**os.environ, "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes",
            "BORG_RELOCATED_REPO_ACCESS_IS_OK": "yes", "BORG_BASE_DIR": str(repo.parent / "borg-home")}
     subprocess.run(["borg", "init", "-e", "none", str(repo)], check=True, env=env, capture_output=True)
+    if before is not None:
+        before()
     t = timed(lambda: (subprocess.run(["borg", "create", "--compression", "zstd,3", f"{repo}::s", src.name],
                                       cwd=src.parent, check=True, env=env), sh("sync")))
     info = json.loads(subprocess.run(["borg", "info", "--json", f"{repo}::s"], check=True, env=env,
