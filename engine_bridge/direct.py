@@ -56,7 +56,7 @@ from pffs.store.framecache import PeekCache
 from pffs.store.local import LocalBlobStore
 from pffs.store.s3 import PUT_FIRST_MAX, S3BlobStore, url_of
 from pffs.storedir import GcLock
-from pffs.types import Digest, digest_of
+from pffs.types import Digest, digest_bytes, digest_of
 
 from .errors import DamagedPage, PageOutError
 from .sessions import (
@@ -308,18 +308,20 @@ def _fetch_frame(blobs: Blobs, bucket: "S3BlobStore | None", d: Digest) -> tuple
 
 
 def _decode_page(bucket: "S3BlobStore | None", ix: int, d: Digest, frame: bytes, cached: bool,
-                 out: memoryview) -> int:
-    """Decode page *ix*'s *frame* into *out* (the bridge checks the sha256 of
-    what lands there); a damaged frame of the mount's cache is downloaded
-    again, since the bucket has the blob."""
+                 out: memoryview) -> tuple[int, bool]:
+    """Decode page *ix*'s *frame* into *out*: (its length, whether the bytes are
+    checked to be blob *d*: pffs.codec.decode_into_checked; else the bridge
+    hashes them).  A damaged frame of the mount's cache is downloaded again,
+    since the bucket has the blob."""
+    name = digest_bytes(d)
     try:
-        return codec_mod.decode_into(frame, out, check_crc=False)
+        return codec_mod.decode_into_checked(frame, out, name)
     except CodecError as e:
         if not cached or bucket is None:
             raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
     frame = bucket.download(d)
     try:
-        return codec_mod.decode_into(frame, out, check_crc=False)
+        return codec_mod.decode_into_checked(frame, out, name)
     except CodecError as e:
         raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
 
@@ -375,7 +377,7 @@ class DirectSink:
                 # Whether the bucket holds the page already (a HEAD) is asked on the
                 # store's threads while this one compresses it.
                 head = bucket.pool.submit(bucket.stat, d)
-                frame = codec_mod.encode(data, bucket.codec)
+                frame = codec_mod.encode_parts(data, bucket.codec)
                 if head.result() is None:
                     bucket.put(data, d, batch=self.batch, frame=frame)
         except PffsError as e:  # (the bucket: unreachable, refusing)
@@ -538,14 +540,20 @@ class DirectSource:
             f.cancel()
 
     def read_page_into(self, ix: int, out: memoryview) -> int:
+        return self.read_page_into_checked(ix, out)[0]
+
+    def read_page_into_checked(self, ix: int, out: memoryview) -> tuple[int, Digest | None]:
+        """Page *ix* into *out*: (its length, the digest its bytes are checked to
+        have, or None when the bridge must hash them)."""
         d = self._digest(ix)
         if d is None:
-            return self.mount.read_page_into(ix, out)
+            return self.mount.read_page_into(ix, out), None
         try:
             frame, cached = self._frame(ix, d)
-            return _decode_page(self.bucket, ix, d, frame, cached, out)
+            n, checked = _decode_page(self.bucket, ix, d, frame, cached, out)
+            return n, d if checked else None
         except MissingBlob:
-            return self.mount.read_page_into(ix, out)   # (its file went since: the mount says so)
+            return self.mount.read_page_into(ix, out), None   # (its file went since: the mount says so)
         except PffsError as e:
             raise DamagedPage(ix, f"its blob {d} could not be read: {e}") from None
 
@@ -598,10 +606,15 @@ class BlobSource:
         return self.sizes[ix]
 
     def read_page_into(self, ix: int, out: memoryview) -> int:
+        return self.read_page_into_checked(ix, out)[0]
+
+    def read_page_into_checked(self, ix: int, out: memoryview) -> tuple[int, Digest | None]:
+        """As DirectSource's."""
         d = Digest(self.pages[ix])
         try:
             frame, cached = _fetch_frame(self.blobs, self.bucket, d)
-            return _decode_page(self.bucket, ix, d, frame, cached, out)
+            n, checked = _decode_page(self.bucket, ix, d, frame, cached, out)
+            return n, d if checked else None
         except MissingBlob:
             raise DamagedPage(ix, f"its blob {d} is not in the store") from None
         except PffsError as e:

@@ -6,9 +6,10 @@ A frame is a 20-byte header followed by the payload::
     0      4     magic b"PFB1"
     4      1     codec id (0 raw, 1 zstd, 2 planes-zstd)
     5      1     codec parameter (zstd level, signed)
-    6      2     flags (planes-zstd: which planes are zstd frames)
+    6      2     flags (planes-zstd: which planes are zstd frames; NAMED)
     8      8     raw length (little endian)
     16     4     crc32 of the raw bytes (little endian)
+    20     32    with the NAMED flag: the sha256 of the raw bytes (the blob's name)
 
 Every frame names its codec, so blobs written under an old default stay
 readable.  ``planes-zstdN`` splits 16-bit values into a low-byte plane and a
@@ -17,6 +18,12 @@ compress far better on their own.  Its payload is, for the low plane then
 the high plane, a u32 length and the plane (a zstd frame when the matching
 flag bit is set, else the plane raw), then the odd tail byte if any.  A frame
 that compresses by less than ``MIN_GAIN`` is stored raw.
+
+A *named* frame (written by :func:`seal` since the NAMED flag exists)
+carries the sha256 its bytes were stored under, so a reader can tell that
+the frame at a name is that name's blob without hashing it again: the name
+in the frame must be the one asked for and the crc32 of the decoded bytes
+must match (docs/format.md, "What a read checks").
 
 Decoding trusts nothing: the raw length must not exceed the caller's limit,
 a zstd frame may not declare or produce more than the raw length
@@ -102,6 +109,16 @@ class FrameHeader:
     raw_len: int
     crc32: int
 
+    @property
+    def named(self) -> bool:
+        """Whether the frame holds the sha256 of its bytes (after the header)."""
+        return bool(self.flags & FLAG_NAMED)
+
+    @property
+    def payload_at(self) -> int:
+        """Where the payload starts in the frame."""
+        return HEADER_SIZE + NAME_SIZE if self.flags & FLAG_NAMED else HEADER_SIZE
+
 
 _local = threading.local()
 
@@ -186,6 +203,11 @@ _PLANE_LEN = struct.Struct("<I")
 # Flag bits of a planes-zstd frame: which plane payloads are zstd frames.
 FLAG_LO_ZSTD = 1
 FLAG_HI_ZSTD = 2
+# Any codec: the sha256 of the raw bytes follows the header (NAME_SIZE bytes).
+FLAG_NAMED = 0x8000
+NAME_SIZE = 32
+# The longest header a reader of the name needs (pffs.store's dedup checks).
+NAMED_HEADER_SIZE = HEADER_SIZE + NAME_SIZE
 
 
 def _plane_payload(plane: np.ndarray, level: int, bit: int) -> tuple[int, np.ndarray | bytes]:
@@ -272,8 +294,20 @@ def _gains(head, codec: Codec) -> bool:
     return sum(memoryview(p).nbytes for p in parts) <= len(head) * (1 - MIN_GAIN)
 
 
-def encode(data, codec: Codec | str = DEFAULT_CODEC, pool: Executor | None = None) -> bytes:
-    """Frame *data* with *codec*; falls back to raw when the gain is < 5 %.
+@dataclass(frozen=True)
+class Encoded:
+    """A block's frame before its name is known: header fields and payload parts
+    (:func:`encode_parts`; :func:`seal` makes the frame)."""
+
+    codec: Codec
+    flags: int
+    raw_len: int
+    crc32: int
+    parts: tuple
+
+
+def encode_parts(data, codec: Codec | str = DEFAULT_CODEC, pool: Executor | None = None) -> Encoded:
+    """Compress *data* with *codec* (raw when the gain is < 5 %) into an :class:`Encoded`.
 
     *pool*: helper threads for a large block (PARALLEL_FROM bytes or more):
     its two planes are compressed at once, the high one on *pool* (the same
@@ -296,9 +330,28 @@ def encode(data, codec: Codec | str = DEFAULT_CODEC, pool: Executor | None = Non
         else:
             parts = [_compressor(codec.level).compress(raw)]
         if sum(memoryview(p).nbytes for p in parts) <= n * (1 - MIN_GAIN):
-            # One copy: header and payload parts joined at once.
-            return b"".join([HEADER.pack(MAGIC, codec.id, codec.level, flags, n, crc), *parts])
-    return b"".join([HEADER.pack(MAGIC, CODEC_RAW, 0, 0, n, crc), raw])
+            return Encoded(codec, flags, n, crc, tuple(parts))
+    return Encoded(_RAW, 0, n, crc, (raw,))
+
+
+def seal(enc: Encoded, name: bytes | None = None) -> bytes:
+    """The frame of *enc*; named by *name* (the 32-byte sha256 of its raw bytes)
+    when given.  The one copy of the payload a frame costs is made here."""
+    flags = enc.flags
+    head = []
+    if name is not None:
+        if len(name) != NAME_SIZE:
+            raise ValueError(f"a frame's name is {NAME_SIZE} bytes, not {len(name)}")
+        flags |= FLAG_NAMED
+        head.append(name)
+    return b"".join([HEADER.pack(MAGIC, enc.codec.id, enc.codec.level, flags, enc.raw_len, enc.crc32),
+                     *head, *enc.parts])
+
+
+def encode(data, codec: Codec | str = DEFAULT_CODEC, pool: Executor | None = None,
+           name: bytes | None = None) -> bytes:
+    """Frame *data* with *codec* (:func:`encode_parts`, then :func:`seal` with *name*)."""
+    return seal(encode_parts(data, codec, pool), name)
 
 
 def read_header(frame) -> FrameHeader:
@@ -310,9 +363,25 @@ def read_header(frame) -> FrameHeader:
         raise CodecError("bad frame magic")
     if cid not in (CODEC_RAW, CODEC_ZSTD, CODEC_PLANES_ZSTD):
         raise CodecError(f"unknown codec id {cid}")
-    if flags & ~(FLAG_LO_ZSTD | FLAG_HI_ZSTD if cid == CODEC_PLANES_ZSTD else 0):
+    if flags & ~(FLAG_LO_ZSTD | FLAG_HI_ZSTD if cid == CODEC_PLANES_ZSTD else 0) & ~FLAG_NAMED:
         raise CodecError(f"unknown frame flags {flags:#x}")
     return FrameHeader(Codec(cid, level), flags, raw_len, crc)
+
+
+def frame_name(frame) -> bytes | None:
+    """The sha256 a named frame holds (None for a frame without one)."""
+    hdr = read_header(frame)
+    if not hdr.named:
+        return None
+    if len(frame) < HEADER_SIZE + NAME_SIZE:
+        raise CodecError("named frame truncated in its name")
+    return bytes(memoryview(frame)[HEADER_SIZE:HEADER_SIZE + NAME_SIZE])
+
+
+def _payload(frame, hdr: FrameHeader) -> memoryview:
+    if len(frame) < hdr.payload_at:
+        raise CodecError("named frame truncated in its name")
+    return memoryview(frame)[hdr.payload_at:]
 
 
 def decode(frame, max_raw: int = MAX_RAW, *, check_crc: bool = True) -> bytes:
@@ -326,7 +395,7 @@ def decode(frame, max_raw: int = MAX_RAW, *, check_crc: bool = True) -> bytes:
     hdr = read_header(frame)
     if hdr.raw_len > max_raw:
         raise CodecError(f"frame declares {hdr.raw_len} raw bytes, limit is {max_raw}")
-    payload = memoryview(frame)[HEADER_SIZE:]
+    payload = _payload(frame, hdr)
     if hdr.codec.id == CODEC_RAW:
         if len(payload) != hdr.raw_len:
             raise CodecError(f"raw frame holds {len(payload)} bytes, header says {hdr.raw_len}")
@@ -351,7 +420,7 @@ def decode_into(frame, out, *, check_crc: bool = True) -> int:
     dst = memoryview(out).cast("B")
     if hdr.raw_len != len(dst):
         return hdr.raw_len
-    payload = memoryview(frame)[HEADER_SIZE:]
+    payload = _payload(frame, hdr)
     if hdr.codec.id == CODEC_PLANES_ZSTD and hdr.raw_len % 2 == 0:
         lo, hi, _ = _plane_parts(payload, hdr.flags, hdr.raw_len)
         # Joined straight into *dst*: hi << 8 | lo, 16 bits at a time.
@@ -364,3 +433,17 @@ def decode_into(frame, out, *, check_crc: bool = True) -> int:
     if check_crc and crc32(dst) != hdr.crc32:
         raise CodecError("crc32 of the decoded bytes does not match the header")
     return hdr.raw_len
+
+
+def decode_into_checked(frame, out, name: bytes) -> tuple[int, bool]:
+    """:func:`decode_into`, and whether what it wrote is checked to be the blob
+    *name* (a sha256): a named frame must name it (CodecError otherwise) and
+    its crc32 is checked; an unnamed frame's bytes are not checked at all,
+    for a caller that then hashes them."""
+    hdr = read_header(frame)
+    if not hdr.named:
+        return decode_into(frame, out, check_crc=False), False
+    if frame_name(frame) != name:
+        raise CodecError("the frame stored under its name names another blob")
+    n = decode_into(frame, out)
+    return n, n == len(memoryview(out).cast("B"))

@@ -75,7 +75,7 @@ def _read_blob(blobs: LocalBlobStore, d: str, read_data: bool) -> tuple[str, int
     """(digest, raw length, None), or (digest, 0, why) for a blob that cannot be read."""
     try:
         if read_data:
-            size = len(blobs.get(Digest(d)))
+            size = len(blobs.get(Digest(d), rehash=True))
         else:
             size = blobs.header(Digest(d)).raw_len
         return d, size, None

@@ -33,3 +33,8 @@ def digest_hex(digest: Digest) -> str:
     if not is_digest(digest):
         raise ValueError(f"not a sha256 digest: {digest!r}")
     return digest[len(DIGEST_PREFIX):]
+
+
+def digest_bytes(digest: Digest) -> bytes:
+    """The 32 bytes of *digest* (what a named frame holds: pffs.codec)."""
+    return bytes.fromhex(digest_hex(digest))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 
@@ -159,3 +160,28 @@ def test_a_large_blocks_planes_on_two_threads_give_the_same_frame(bf16_pages):
     assert calls == ["_plane_payload"]
     assert frame == codec.encode(block, "planes-zstd1")
     assert codec.decode(frame) == block
+
+
+@pytest.mark.parametrize("name", ["raw", "zstd-1", "planes-zstd1"])
+def test_a_named_frame_holds_its_blobs_sha256(name, bf16_pages):
+    page = bf16_pages[2]
+    d = hashlib.sha256(page).digest()
+    frame = codec.encode(page, name, name=d)
+    plain = codec.encode(page, name)
+    hdr = codec.read_header(frame)
+    assert hdr.named and not codec.read_header(plain).named
+    assert codec.frame_name(frame) == d and codec.frame_name(plain) is None
+    assert len(frame) == len(plain) + codec.NAME_SIZE and hdr.payload_at == codec.NAMED_HEADER_SIZE
+    assert codec.decode(frame) == page
+    out = bytearray(len(page))
+    assert codec.decode_into(frame, out) == len(page) and out == page
+    # The same payload either way; a frame cut inside its name is refused.
+    assert frame[codec.NAMED_HEADER_SIZE:] == plain[codec.HEADER_SIZE:]
+    with pytest.raises(CodecError, match="name"):
+        codec.frame_name(frame[:codec.HEADER_SIZE + 5])
+    with pytest.raises(CodecError):
+        codec.decode(frame[:codec.HEADER_SIZE + 5])
+    with pytest.raises(ValueError):
+        codec.encode(page, name, name=d[:16])
+    # Encoded now, named later: the same frame.
+    assert codec.seal(codec.encode_parts(page, name), d) == frame

@@ -234,7 +234,39 @@ def test_a_damaged_blob_gives_an_integrity_error_naming_the_page(mnt):
     mnt.skip_check = True  # the damage is on purpose
 
 
-def assert_refused_naming(session: Path, ix: int, digest: str) -> None:
+def test_a_direct_page_in_checks_each_frame_by_the_name_it_holds(mnt, monkeypatch):
+    """Frames name their blob: a page-in straight from the store checks that
+    name and the crc32 instead of hashing each page again (the mount path
+    still hashes), and a frame under another page's name is refused naming
+    the page."""
+    import engine_bridge.bridge as bridge_mod
+    from pffs.types import digest_of
+    pool = pool_of(8, seed=5)
+    br = bridge_of(pool)
+    m = br.page_out([one_seq(pool)], mnt / "a")
+    hashed = []
+
+    def counted_digest(data):
+        hashed.append(len(data))
+        return digest_of(data)
+    monkeypatch.setattr(bridge_mod, "digest_of", counted_digest)
+    def page_in(src) -> list[torch.Tensor]:
+        res = br.page_in(src)
+        got = [torch.cat([layer[:, b] for layer in pool.layers]).clone() for b in res.blocks]
+        br.allocator.free(res.blocks)
+        return got
+    direct = page_in(mnt / "a")
+    assert hashed == []
+    through_mount = page_in(DirSource(mnt / "a"))
+    assert all(torch.equal(a, b) for a, b in zip(direct, through_mount)) and len(direct) == 8
+    assert len(hashed) == 8
+    blobs = StoreDir(mnt.store).blobs
+    blobs.path(m.pages[3]).write_bytes(blobs.path(m.pages[4]).read_bytes())
+    assert_refused_naming(mnt / "a", 3, m.pages[3], "names another blob")
+    mnt.skip_check = True  # the damage is on purpose
+
+
+def assert_refused_naming(session: Path, ix: int, digest: str, why: str = "") -> None:
     """A page-in of *session* into a fresh pool raises DamagedPage naming page
     *ix* and its blob, and leaves the pool and its allocator as they were."""
     fresh = pool_of(8, seed=12)
@@ -243,7 +275,7 @@ def assert_refused_naming(session: Path, ix: int, digest: str) -> None:
     free = fb.allocator.num_free()
     with pytest.raises(DamagedPage) as e:
         fb.page_in(session)
-    assert page_name(ix) in str(e.value) and digest in str(e.value)
+    assert page_name(ix) in str(e.value) and digest in str(e.value) and why in str(e.value)
     assert fb.allocator.num_free() == free
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.layers))
 

@@ -17,7 +17,7 @@ from pffs import codec
 from pffs.errors import CorruptBlob, MissingBlob, PffsError, StoreUnavailable
 from pffs.store.s3 import S3BlobStore, parse_url, url_of
 from pffs.storedir import StoreDir
-from pffs.types import digest_hex
+from pffs.types import digest_bytes, digest_hex
 from seaweed import weed  # noqa: F401  (fixture)
 from sessions import digest, varied_pages
 
@@ -48,7 +48,7 @@ def test_blobs_keep_the_local_layout_and_frames(weed, store, bf16_pages):
     key = f"pre/fix/blobs/{digest_hex(d)[:2]}/{digest_hex(d)}"
     obj = weed.client.get_object(Bucket=store.bucket, Key=key)
     frame = obj["Body"].read()
-    assert frame == codec.encode(page, store.codec) and len(frame) == r.stored_size
+    assert frame == codec.encode(page, store.codec, name=digest_bytes(d)) and len(frame) == r.stored_size
     assert obj["Metadata"] == {"pffs-raw-size": str(len(page)), "pffs-codec": "planes-zstd1"}
     # Put only if absent: a second put reuses the object.
     again = store.put(page)
@@ -72,6 +72,12 @@ def test_reads_are_verified(weed, store, bf16_pages):
     other = codec.encode(bf16_pages[2], store.codec)
     weed.client.put_object(Bucket=store.bucket, Key=key, Body=other)
     with pytest.raises(CorruptBlob, match="sha256"):
+        store.get(d)
+    assert d not in store.cache
+    # A frame that names the other blob is refused by its name.
+    named = codec.encode(bf16_pages[2], store.codec, name=digest_bytes(digest(bf16_pages[2])))
+    weed.client.put_object(Bucket=store.bucket, Key=key, Body=named)
+    with pytest.raises(CorruptBlob, match="names another blob"):
         store.get(d)
     assert d not in store.cache
     weed.client.delete_object(Bucket=store.bucket, Key=key)

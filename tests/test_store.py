@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import struct
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from pffs import codec
 from pffs.errors import CorruptBlob, IntegrityError, MissingBlob
 from pffs.store.local import LocalBlobStore
-from pffs.types import digest_of
+from pffs.types import digest_bytes, digest_of
 
 
 @pytest.fixture
@@ -71,18 +74,63 @@ def test_flipped_byte_is_integrity_error(store, bf16_pages):
             store.get(d)
 
 
+def _fix_crc(blob: bytearray) -> None:
+    # Make a damaged frame's crc32 match its (raw) payload again.
+    hdr = codec.read_header(blob)
+    struct.pack_into("<I", blob, 16, zlib.crc32(blob[hdr.payload_at:]))
+
+
 def test_flip_in_raw_blob_caught_by_digest(store):
-    data = os.urandom(4096)  # stored raw
-    d = store.put(data).digest
-    path = store.path(d)
-    blob = bytearray(path.read_bytes())
-    blob[-1] ^= 0xFF
-    # Fix up the header crc as well: the sha256 check must still catch it.
-    import zlib, struct
-    struct.pack_into("<I", blob, 16, zlib.crc32(blob[20:]))
-    path.write_bytes(blob)
-    with pytest.raises(CorruptBlob, match="sha256"):
-        store.get(d)
+    """A raw frame flipped and given a matching crc32: an unnamed frame (as
+    written before frames held their name) is refused by every read; a named
+    one by a read that hashes again (pffs check --read-data)."""
+    for named in (False, True):
+        data = os.urandom(4096)  # stored raw
+        d = digest_of(data)
+        frame = codec.encode(data, "raw", name=digest_bytes(d) if named else None)
+        store.put(data, d, frame=frame)
+        path = store.path(d)
+        blob = bytearray(path.read_bytes())
+        assert codec.read_header(blob).named == named
+        blob[-1] ^= 0xFF
+        _fix_crc(blob)
+        path.write_bytes(blob)
+        with pytest.raises(CorruptBlob, match="sha256"):
+            store.get(d, rehash=True)
+        if not named:
+            with pytest.raises(CorruptBlob, match="sha256"):
+                store.get(d)
+
+
+def test_a_named_frame_is_read_without_hashing_it_again(store, bf16_pages, monkeypatch):
+    """Puts name their frames; a read checks the name and the crc32 instead of
+    the sha256 (which a rehash and an unnamed frame still get)."""
+    import pffs.store.local as local
+    hashed = []
+
+    def counted(data):
+        hashed.append(len(data))
+        return digest_of(data)
+    page, old = bf16_pages[4], bf16_pages[5]
+    d = store.put(page).digest
+    assert codec.frame_name(store.path(d).read_bytes()) == digest_bytes(d)
+    od = store.put(old, frame=codec.encode(old)).digest     # (an unnamed frame, as before)
+    monkeypatch.setattr(local, "digest_of", counted)
+    assert store.get(d) == page and hashed == []
+    assert store.get(d, rehash=True) == page and hashed == [len(page)]
+    assert store.get(od) == old and hashed == [len(page), len(old)]
+
+
+def test_a_frame_under_another_blobs_name_is_refused_and_replaced(store, bf16_pages):
+    a, b = bf16_pages[6], bf16_pages[7]
+    da, db = store.put(a).digest, store.put(b).digest
+    store.path(db).write_bytes(store.path(da).read_bytes())   # (a's frame at b's name)
+    for rehash in (False, True):
+        with pytest.raises(CorruptBlob, match="names another blob"):
+            store.get(db, rehash=rehash)
+    # A put of b does not take that frame for b's: it writes b's again.
+    assert not store.put(b).existed
+    assert store.get(db) == b
 
 
 def test_truncated_blob_is_integrity_error(store, bf16_pages):

@@ -335,7 +335,7 @@ class ContentStore:
         """
         n = memoryview(data).nbytes
         if n > SPECULATE_MAX:
-            encode = functools.partial(codec_mod.encode, data, self.blobs.codec, pool=self.encoders)
+            encode = functools.partial(codec_mod.encode_parts, data, self.blobs.codec, pool=self.encoders)
             if not new:
                 return self._put(data, digest_of(data), batch, rows, frame=encode)
             digest = self.encoders.submit(digest_of, data)
@@ -346,7 +346,7 @@ class ContentStore:
             return self._put(data, d, batch, rows, frame=frame)
         if n < SPECULATE_MIN:
             return self._put(data, digest_of(data), batch, rows)
-        fut = self.encoders.submit(codec_mod.encode, data, self.blobs.codec)
+        fut = self.encoders.submit(codec_mod.encode_parts, data, self.blobs.codec)
         try:
             return self._put(data, digest_of(data), batch, rows, frame=fut.result)
         finally:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from .. import manifest as mf
 from .. import namespace as ns
-from ..codec import CODEC_RAW, HEADER_SIZE
+from ..codec import CODEC_RAW
 from ..errors import IntegrityError
 from ..namespace import BLOCK_SIZE, BlobRow
 from ..store.local import LocalBlobStore, PutBatch
@@ -135,7 +135,7 @@ class LocalAdopter:
             return None
         if hdr.raw_len > BLOCK_SIZE:
             return None
-        if hdr.codec.id == CODEC_RAW and size != HEADER_SIZE + hdr.raw_len:
+        if hdr.codec.id == CODEC_RAW and size != hdr.payload_at + hdr.raw_len:
             return None
         return BlobRow(digest, hdr.raw_len, size, hdr.codec.name)
 

@@ -8,8 +8,11 @@ share one round of them before a namespace commit.  Two writers putting the
 same digest at once each rename a complete temp file over the name, so one
 good blob remains whoever wins.
 
-Reads verify: the frame header (length, crc32) and the sha256 of the decoded
-bytes against the name.  Anything else raises :class:`IntegrityError`.
+Reads verify the frame header (length), then that the bytes are the blob of
+that name: by the name a frame holds and the crc32 of the decoded bytes
+(frames written since frames are named), else by the sha256 of the decoded
+bytes; ``rehash`` asks for the sha256 always (``pffs check --read-data``).
+Anything else raises :class:`IntegrityError`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, StoreFull
-from ..types import Digest, digest_hex, digest_of, is_digest
+from ..types import Digest, digest_bytes, digest_hex, digest_of, is_digest
 
 if TYPE_CHECKING:
     from ..reserve import SpaceReserve
@@ -68,12 +71,23 @@ def _fsync_dir(path: str | os.PathLike) -> None:
 
 
 def decode_verified(digest: Digest, frame: bytes, max_raw: int, verify: bool = True,
-                    hold=None) -> bytes:
+                    hold=None, *, rehash: bool = False) -> bytes:
     """The raw bytes of a blob's *frame*, checked against its name *digest*
-    (CorruptBlob otherwise); decoded inside ``hold(raw_len)`` when given."""
+    (CorruptBlob otherwise); decoded inside ``hold(raw_len)`` when given.
+
+    A named frame must name *digest*, and its decoded bytes must match its
+    crc32: the sha256 was computed by the frame's writer, from the same
+    bytes.  Others, or any with *rehash*, are hashed again.  *verify* False
+    (a caller that hashes the result itself) checks neither.
+    """
     try:
-        held = contextlib.nullcontext() if hold is None else hold(codec_mod.read_header(frame).raw_len)
+        hdr = codec_mod.read_header(frame)
+        held = contextlib.nullcontext() if hold is None else hold(hdr.raw_len)
         with held:
+            if verify and hdr.named and codec_mod.frame_name(frame) != digest_bytes(digest):
+                raise CorruptBlob(digest, "the frame stored under its name names another blob")
+            if verify and hdr.named and not rehash:
+                return codec_mod.decode(frame, max_raw)
             # The sha256 check below is stronger than the frame's crc32.
             raw = codec_mod.decode(frame, max_raw, check_crc=not verify)
             if verify and digest_of(raw) != digest:
@@ -81,6 +95,14 @@ def decode_verified(digest: Digest, frame: bytes, max_raw: int, verify: bool = T
             return raw
     except CodecError as e:
         raise CorruptBlob(digest, str(e)) from None
+
+
+def sealed(frame, digest: Digest) -> bytes:
+    """*frame* as a put takes it (a frame, or a :class:`pffs.codec.Encoded`),
+    as the frame to store: an Encoded is named *digest*."""
+    if isinstance(frame, codec_mod.Encoded):
+        return codec_mod.seal(frame, digest_bytes(digest))
+    return frame
 
 
 class LocalBlobStore:
@@ -137,7 +159,8 @@ class LocalBlobStore:
             codec: codec_mod.Codec | None = None, frame=None) -> PutResult:
         """Store *data* under its digest (computed if not given).
 
-        *frame*, when given, is ``data`` already encoded, or a callable that
+        *frame*, when given, is ``data`` already encoded (a frame, or an
+        :class:`pffs.codec.Encoded` that this names), or a callable that
         returns it (a caller that compressed while it hashed); it is used
         only if the blob is new.
 
@@ -150,15 +173,16 @@ class LocalBlobStore:
             digest = digest_of(data)
         folder, path = self._where(digest)
         raw_size = memoryview(data).nbytes
-        size = self._reuse(path, raw_size)
+        size = self._reuse(path, digest, raw_size)
         if size is not None:
             if batch is not None:
                 batch._add(path)
             return PutResult(digest, raw_size, size, "", True)
         if frame is None:
-            frame = codec_mod.encode(data, codec or self.codec)
+            frame = codec_mod.encode(data, codec or self.codec, name=digest_bytes(digest))
         elif callable(frame):
             frame = frame()
+        frame = sealed(frame, digest)
         codec_name = codec_mod.read_header(frame).codec.name
         if self.reserve is not None:
             self.reserve.before_put(len(frame))
@@ -188,7 +212,7 @@ class LocalBlobStore:
             batch._add(path)
         return PutResult(digest, raw_size, len(frame), codec_name, False)
 
-    def _reuse(self, path: str, raw_size: int) -> int | None:
+    def _reuse(self, path: str, digest: Digest, raw_size: int) -> int | None:
         """Stored size of an existing blob fit for a dedup hit, else None (write it anew).
 
         A hit refreshes the blob's mtime, so gc's grace period counts from the
@@ -200,7 +224,7 @@ class LocalBlobStore:
         except FileNotFoundError:
             return None
         try:
-            head = os.pread(fd, codec_mod.HEADER_SIZE, 0)
+            head = os.pread(fd, codec_mod.NAMED_HEADER_SIZE, 0)
             size = os.fstat(fd).st_size
             try:
                 os.utime(fd)
@@ -210,10 +234,12 @@ class LocalBlobStore:
             os.close(fd)
         try:
             hdr = codec_mod.read_header(head)
+            if hdr.named and codec_mod.frame_name(head) != digest_bytes(digest):
+                return None
         except CodecError:
             return None
         if hdr.raw_len != raw_size or (hdr.codec.id == codec_mod.CODEC_RAW
-                                       and size != codec_mod.HEADER_SIZE + raw_size):
+                                       and size != hdr.payload_at + raw_size):
             return None
         return size
 
@@ -237,12 +263,14 @@ class LocalBlobStore:
         except FileNotFoundError:
             raise MissingBlob(digest, "not in the store") from None
 
-    def get(self, digest: Digest, *, verify: bool = True, hold=None) -> bytes:
-        """The raw bytes of *digest*, verified (IntegrityError otherwise).
+    def get(self, digest: Digest, *, verify: bool = True, hold=None, rehash: bool = False) -> bytes:
+        """The raw bytes of *digest*, verified (IntegrityError otherwise; see
+        :func:`decode_verified` for *verify* and *rehash*).
 
         *hold*: ``hold(raw_len)``, a context manager the decode runs in (the
         daemon's budget of block-sized buffers)."""
-        return decode_verified(digest, self.get_frame(digest), self.max_raw, verify, hold)
+        return decode_verified(digest, self.get_frame(digest), self.max_raw, verify, hold,
+                               rehash=rehash)
 
     def header(self, digest: Digest) -> codec_mod.FrameHeader:
         try:

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
 from ..namespace import BlobRow
-from ..types import Digest, digest_hex, digest_of, is_digest
+from ..types import Digest, digest_bytes, digest_hex, digest_of, is_digest
 from .framecache import FrameCache, PeekCache
-from .local import PutResult, decode_verified
+from .local import PutResult, decode_verified, sealed
 from .s3client import DOWN_HOLD, S3Requests, _status
 from .s3config import (
     _PERSISTED,
@@ -324,9 +324,10 @@ class S3BlobStore(S3Requests):
             return PutResult(digest, raw_size, info.stored_size, info.codec, True)
         # New, or small enough that the conditional PUT itself is the cheaper question.
         if frame is None:
-            frame = codec_mod.encode(data, codec or self.codec)
+            frame = codec_mod.encode(data, codec or self.codec, name=digest_bytes(digest))
         elif callable(frame):
             frame = frame()  # a compression already under way, wanted now that the blob is new
+        frame = sealed(frame, digest)
         codec_name = codec_mod.read_header(frame).codec.name
         if isinstance(batch, S3PutBatch):
             self._inflight.acquire()
@@ -419,17 +420,17 @@ class S3BlobStore(S3Requests):
         frame = self.cache.get(digest)
         return frame if frame is not None else self._download(digest)
 
-    def get(self, digest: Digest, *, verify: bool = True, hold=None) -> bytes:
+    def get(self, digest: Digest, *, verify: bool = True, hold=None, rehash: bool = False) -> bytes:
         """The raw bytes of *digest*, verified: from the cache, else from the bucket
-        (*hold* as for LocalBlobStore.get)."""
+        (*verify*, *hold* and *rehash* as for LocalBlobStore.get)."""
         frame = self.cache.get(digest)
         if frame is not None:
             try:
-                return decode_verified(digest, frame, self.max_raw, verify, hold)
+                return decode_verified(digest, frame, self.max_raw, verify, hold, rehash=rehash)
             except CorruptBlob:
                 self.cache.discard(digest)  # a damaged cache entry: the bucket has the blob
         frame = self._download(digest)
-        raw = decode_verified(digest, frame, self.max_raw, verify, hold)
+        raw = decode_verified(digest, frame, self.max_raw, verify, hold, rehash=rehash)
         self._cache_frame(digest, frame)
         return raw
 
