@@ -501,6 +501,33 @@ def test_sequential_readers_find_pages_prefetched(mount_factory, bf16_pages):
     assert stats(m)["cache"]["fetched_by_reads"] <= 2
 
 
+def test_large_blobs_are_prefetched_one_a_job_and_small_ones_several_a_job(mount_factory, bf16_pages):
+    """A reader waiting for a large blob (a 2 MiB page) does not wait for the
+    blobs fetched with it: each is its own job; small ones share jobs."""
+    m = mount_factory()
+    small = varied_pages(bf16_pages, 96)
+    large = [b"".join(small[i:i + 4]) for i in range(0, 96, 4)]
+    assert len(large[0]) >= 512 << 10 > len(small[0])
+    for name, pages in (("l", large), ("s", small[:24])):
+        (m / name / "pages").mkdir(parents=True)
+        for i, p in enumerate(pages):
+            (m / name / "pages" / mf.page_name(i)).write_bytes(p)
+    assert m.stop() == 0
+    m.start()
+    for name, pages in (("l", large), ("s", small[:24])):
+        before = stats(m)["cache"]
+        for i, p in enumerate(pages):
+            assert (m / name / "pages" / mf.page_name(i)).read_bytes() == p
+        after = stats(m)["cache"]
+        blobs = after["prefetched"] - before["prefetched"]
+        jobs = after["prefetch_jobs"] - before["prefetch_jobs"]
+        assert blobs >= 20, (name, blobs)
+        if name == "l":
+            assert jobs == blobs
+        else:
+            assert jobs <= blobs // 2, (blobs, jobs)
+
+
 def test_files_changed_after_prefetch_read_back_changed(mount_factory, bf16_pages, tmp_path):
     """Prefetching keeps what it read of a directory across later commits;
     reads of files changed since still return their new bytes."""

@@ -63,6 +63,7 @@ class BlobReader:
         self.loading: dict[str, trio.Event] = {}
         self.fetched_by_reads = 0  # blobs a read had to fetch itself: neither cached nor prefetched
         self.prefetched_blobs = 0  # blobs the prefetcher fetched ahead of readers
+        self.prefetch_jobs = 0     # jobs it gave its threads for them (see pffs.fs.prefetch)
 
     async def blob(self, digest: str, ino: int) -> bytes:
         """The bytes of *digest*, read for inode *ino* (EIO if damaged)."""

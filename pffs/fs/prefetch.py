@@ -21,6 +21,7 @@ from .blobcache import BlobReader
 from .db import Database, WorkerPool
 
 PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
+ALONE_FROM = 512 << 10  # blobs of this many bytes and more are fetched one a job (see Prefetch)
 PREFETCH_WINDOW = 64   # page files whose content one query reads (see PageWindow)
 LISTINGS_KEPT = 8           # directories whose listing order is remembered (see Listing)
 LISTING_MAX = 1 << 16       # entries remembered of one listing (about 100 bytes each)
@@ -77,10 +78,12 @@ class Prefetch:
         # Threads that fetch and decode blobs ahead of readers: a queue and one
         # callback a job, cheaper than a trio task and trio.to_thread each.
         self.workers = WorkerPool(max(1, (os.cpu_count() or 2)), "pffs-prefetch")
-        # A local blob is read and decoded in well under a millisecond, so a
-        # refill's blobs go as one job with one answer (waking the loop once a
-        # blob costs more than it saves: docs/performance.md).  A remote blob
-        # waits on the network: one job each, answered at once.
+        # A small local blob is read and decoded in well under a millisecond,
+        # so a refill's small blobs go as one job with one answer (waking the
+        # loop once a blob costs more than it saves: docs/performance.md).  A
+        # remote blob waits on the network, and a large one (a 2 MiB page:
+        # 1.5 ms) would keep the reader waiting for the blobs batched with it:
+        # one job each, answered at once.
         self._in_batches = not self.content.blobs.remote
 
     def stop(self) -> None:
@@ -163,31 +166,34 @@ class Prefetch:
         if len(marks) > 1024:
             marks.clear()
         batch: list[str] = []
+        alone: list[str] = []
         for j in range(mark + 1, at + PREFETCH_PAGES + 1):
             blobs = content(j)
             if blobs is None:
                 break
             marks[parent] = j
-            left = self._prefetch_blobs(blobs[0], blobs[1], budget, batch)
+            left = self._prefetch_blobs(blobs[0], blobs[1], budget, batch, alone)
             if left is None:
                 break
             budget = left
-        if not batch:
-            return
-        if self._in_batches:
+        if not self._in_batches:
+            alone, batch = alone + batch, []
+        for d in alone:
+            self.workers.submit(functools.partial(self.reader.prefetched, d), self.content.get, d)
+        self.reader.prefetch_jobs += len(alone)
+        if batch:
             # One job per prefetch thread, so a refill decodes on every core.
             k = max(1, min(self.workers.size, len(batch)))
+            self.reader.prefetch_jobs += k
             for part in (batch[i::k] for i in range(k)):
                 self.workers.submit(functools.partial(self._prefetched_all, part),
                                        self._fetch_all, part)
-        else:
-            for d in batch:
-                self.workers.submit(functools.partial(self.reader.prefetched, d),
-                                       self.content.get, d)
 
-    def _prefetch_blobs(self, digests, sizes, budget: int, batch: list[str]) -> int | None:
-        """Add to *batch* the blobs neither cached nor on their way (marked as
-        on their way); the budget left, or None once it is spent."""
+    def _prefetch_blobs(self, digests, sizes, budget: int, batch: list[str],
+                        alone: list[str]) -> int | None:
+        """Add to *batch* (small ones) or *alone* (ALONE_FROM bytes or more) the
+        blobs neither cached nor on their way (marked as on their way); the
+        budget left, or None once it is spent."""
         for d, size in zip(digests, sizes):
             size = size or 0   # (a blob row gone: the read will say why)
             if size > budget and d not in self.reader.loading \
@@ -195,7 +201,7 @@ class Prefetch:
                 return None
             if self.reader.wanted(d):
                 budget -= size
-                batch.append(d)
+                (alone if size >= ALONE_FROM else batch).append(d)
         return budget
 
     def _fetch_all(self, digests: list[str]) -> list[tuple[str, outcome.Outcome]]:

@@ -81,7 +81,8 @@ class PffsTree(Tree):
             cache = self.reader.cache
             figures["cache"] = {"bytes": cache.used, "hits": cache.hits, "misses": cache.misses,
                                 "fetched_by_reads": self.reader.fetched_by_reads,
-                                "prefetched": self.reader.prefetched_blobs}
+                                "prefetched": self.reader.prefetched_blobs,
+                                "prefetch_jobs": self.reader.prefetch_jobs}
             figures["requests"] = dict(sorted(self.requests.items()))
             figures["copies"] = dict(self.copies)
             figures["namespace_writes"] = dict(self.db.counts)
