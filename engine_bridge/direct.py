@@ -72,7 +72,7 @@ from .sessions import (
 
 log = logging.getLogger("engine_bridge.direct")
 
-PROTOCOL = 1
+PROTOCOL = 2    # (pffs.fs.direct.PROTOCOL)
 PAGES_XATTR = "user.pffs.pages"
 STORE_XATTR = "user.pffs.store"
 FSTYPE = "fuse.pffs"

@@ -39,8 +39,9 @@ from ..types import Digest, is_digest
 
 log = logging.getLogger("pffs.fs")
 
-#: Version of store.json and of what a direct client may do with the store.
-PROTOCOL = 1
+#: Version of store.json and of what a direct client may do with the store
+#: (2: blob frames hold their name, pffs.codec; a client of 1 would refuse them).
+PROTOCOL = 2
 #: Read-only, unlisted xattr of a session folder: see page_verdict.
 PAGES_XATTR = b"user.pffs.pages"
 #: Read-only, unlisted xattr of the mount's root: the bytes of .pffs/store.json.
