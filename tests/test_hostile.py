@@ -192,6 +192,43 @@ def test_planted_decompression_bombs(mount_factory, bf16_pages, tmp_path):
     assert r.returncode == 0 and r.stdout.count("moved to /lost+found/") == 3, r.stdout
 
 
+def test_a_blob_file_holding_another_blob_or_damage_made_to_fit(mount_factory, bf16_pages, tmp_path):
+    """A frame in another blob's place is refused by the name it holds (EIO,
+    a log line naming the blob) though its bytes and crc32 are sound; bytes
+    changed with a crc32 made to match pass a read's checks, and
+    `pffs check --read-data`, which hashes every blob again, finds both."""
+    m = mount_factory()
+    m.allow(r"ERROR pffs.fs: read /s/pages/000001: blob sha256:")
+    pages = varied_pages(bf16_pages, 3, salt=904)
+    write_session(tmp_path / "s", pages)
+    run("cp", "-r", tmp_path / "s", m / "s")
+    assert m.stop() == 0
+    blobs = StoreDir(m.store).blobs
+    blobs.path(digest(pages[1])).write_bytes(blobs.path(digest(pages[0])).read_bytes())
+    frame = bytearray(blobs.path(digest(pages[2])).read_bytes())
+    hdr = codec.read_header(frame)
+    assert hdr.named and hdr.codec.id == codec.CODEC_PLANES_ZSTD
+    # One byte changed, framed anew under the old name: its crc32 fits the change.
+    raw = bytearray(codec.decode(bytes(frame)))
+    raw[100] ^= 0x01
+    forged = codec.encode(bytes(raw), hdr.codec, name=codec.frame_name(frame))
+    blobs.path(digest(pages[2])).write_bytes(forged)
+
+    m.start()
+    with pytest.raises(OSError) as ei:
+        (m / "s" / "pages" / "000001").read_bytes()
+    assert ei.value.errno == errno.EIO
+    assert f"blob {digest(pages[1])}" in m.log_text() and "names another blob" in m.log_text()
+    assert (m / "s" / "pages" / "000000").read_bytes() == pages[0]
+    assert (m / "s" / "pages" / "000002").read_bytes() == bytes(raw)   # (made to fit: see docs/format.md)
+    assert m.stop() == 0
+    r = pffs("check", "--store", m.store, "--read-data", check=False)
+    assert r.returncode == 1
+    for i in (1, 2):
+        assert f"/s/pages/{mf.page_name(i)}: blob {digest(pages[i])}" in r.stdout, r.stdout
+    m.skip_check = True   # (the damage is on purpose)
+
+
 @pytest.mark.slow
 def test_ten_thousand_files_open_at_once(mnt, canary):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
