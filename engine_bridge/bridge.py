@@ -15,6 +15,7 @@ allocator exactly as they were.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -51,6 +52,11 @@ from .staging import DEFAULT_STAGING_BYTES, Staging, batches
 SUPPORTED_LAYOUTS = ("paged-batchinvariant-v1",)
 assert all(name in PAGE_LAYOUTS for name in SUPPORTED_LAYOUTS)
 
+#: Pages of this many bytes and more are paged in on io_workers threads,
+#: smaller ones on one (Bridge.page_in_workers).  Page-in from a store,
+#: one thread against two: 144 KiB pages 971 against 598 MB/s, 256 KiB 1,078
+#: against 867, 512 KiB 1,095 against 1,215, 2 MiB 1,119 against 2,357.
+PAGE_IN_THREADS_FROM = 512 << 10
 _PLACEHOLDER = Digest("sha256:" + "0" * 64)
 
 
@@ -355,9 +361,7 @@ class Bridge:
             finally:
                 free.put(i)
         with ThreadPoolExecutor(k, thread_name_prefix="pffs-page-out") as ex:
-            futs = [ex.submit(one, r) for r in range(len(blocks))]
-            wait(futs)
-        return [f.result() for f in futs]
+            return _run_each(ex, k, one, len(blocks))
 
     def read_page(self, seq: SeqBlocks, page_no: int) -> bytes:
         """The page bytes of page *page_no* of a live sequence (for live views)."""
@@ -478,43 +482,48 @@ class Bridge:
         n = len(needed)
         if not n:
             return []
-        ex = ThreadPoolExecutor(self.io_workers, thread_name_prefix="pffs-page-in")
+        k = self.page_in_workers()
+        ex = ThreadPoolExecutor(k, thread_name_prefix="pffs-page-in")
         try:
             if n <= self.staging.capacity:
-                return self._load_held(source, manifest, needed, ex, allocator)
-            return self._load_streamed(source, manifest, needed, ex, allocator)
+                return self._load_held(source, manifest, needed, ex, k, allocator)
+            return self._load_streamed(source, manifest, needed, ex, k, allocator)
         finally:
             ex.shutdown(wait=True, cancel_futures=True)
 
-    def _read_all(self, ex: ThreadPoolExecutor, tasks) -> None:
-        # Run (source, manifest, ix, row, again) reads in parallel; raise the
-        # first failure in page order once all have stopped touching staging.
-        futs = [ex.submit(self._read_verified, *t[:4], again=t[4]) for t in tasks]
-        wait(futs)
-        for f in futs:
-            f.result()
+    def page_in_workers(self) -> int:
+        """Threads a page-in reads and decodes on: ``io_workers``, or one for
+        pages under PAGE_IN_THREADS_FROM bytes, whose decode is a dozen short
+        calls that each let the GIL go and take it back: on two threads the
+        hand-offs cost more than the second thread gives (docs/performance.md)."""
+        return self.io_workers if self.pool.page_bytes >= PAGE_IN_THREADS_FROM else 1
 
-    def _load_held(self, source, manifest, needed, ex, allocator: BlockAllocator) -> list[BlockId]:
+    def _read_all(self, ex: ThreadPoolExecutor, k: int, tasks) -> None:
+        # Run (source, manifest, ix, row, again) reads on k threads; raise the
+        # first failure in page order once all have stopped touching staging.
+        def one(r: int) -> None:
+            t = tasks[r]
+            self._read_verified(*t[:4], again=t[4])
+        _run_each(ex, k, one, len(tasks))
+
+    def _load_held(self, source, manifest, needed, ex, k: int, allocator: BlockAllocator) -> list[BlockId]:
         # Small enough to hold: read and verify everything, then allocate and write once.
         st, pool, n = self.staging, self.pool, len(needed)
         per_half = -(-n // 2)
         st.reserve(per_half)
-        self._read_all(ex, [(source, manifest, ix, st.host_row(k // per_half, k % per_half), False)
-                            for k, ix in enumerate(needed)])
+        self._read_all(ex, k, [(source, manifest, ix, st.host_row(r // per_half, r % per_half), False)
+                               for r, ix in enumerate(needed)])
         blocks = allocator.allocate(n)
         try:
             if pool.device.type == "cpu":
                 # Each I/O thread scatters some of the pages: every core copies.
                 mode = torch.is_inference_mode_enabled()  # (thread-local: the workers take the caller's)
 
-                def put(k: int) -> None:
-                    half, row = divmod(k, per_half)
+                def put(r: int) -> None:
+                    half, row = divmod(r, per_half)
                     with torch.inference_mode(mode):
-                        pool.scatter([blocks[k]], st.dev(half, row + 1)[row:row + 1])
-                futs = [ex.submit(put, k) for k in range(n)]
-                wait(futs)
-                for f in futs:
-                    f.result()
+                        pool.scatter([blocks[r]], st.dev(half, row + 1)[row:row + 1])
+                _run_each(ex, k, put, n)
                 return blocks
             st.begin()
             for j, a, b in batches(n, per_half):
@@ -528,45 +537,38 @@ class Bridge:
             raise
         return blocks
 
-    def _stream_cpu(self, source, manifest, needed, ex, allocator: BlockAllocator) -> list[BlockId]:
+    def _stream_cpu(self, source, manifest, needed, ex, workers: int,
+                    allocator: BlockAllocator) -> list[BlockId]:
         # A CPU pool: each I/O thread reads, verifies and scatters pages one at
         # a time through a staging row of its own, so the copies into the pool
         # run on every core beside the decoding and hashing.
         st, pool, n = self.staging, self.pool, len(needed)
-        k = max(1, min(self.io_workers, n, st.max_batch))
+        k = max(1, min(workers, n, st.max_batch))
         rows = st.dev(0, k)
         free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(k):
             free.put(i)
         blocks = allocator.allocate(n)
-        failed = threading.Event()
         mode = torch.is_inference_mode_enabled()  # (thread-local: the workers take the caller's)
 
         def one(r: int) -> None:
-            if failed.is_set():
-                return  # (a page before failed: this one's fate does not matter)
             i = free.get()
             try:
                 self._read_verified(source, manifest, needed[r], st.host_row(0, i), again=True)
                 with torch.inference_mode(mode):
                     pool.scatter([blocks[r]], rows[i:i + 1])
-            except BaseException:
-                failed.set()
-                raise
             finally:
                 free.put(i)
-        futs = [ex.submit(one, r) for r in range(n)]
-        wait(futs)
         try:
-            for f in futs:
-                f.result()
+            _run_each(ex, k, one, n)
         except BaseException:
             # As below: the blocks go back free; their old, unused contents are not restored.
             allocator.free(blocks)
             raise
         return blocks
 
-    def _load_streamed(self, source, manifest, needed, ex, allocator: BlockAllocator) -> list[BlockId]:
+    def _load_streamed(self, source, manifest, needed, ex, workers: int,
+                       allocator: BlockAllocator) -> list[BlockId]:
         # Larger than staging: verify every page first (from the source's own
         # digests where it gives them, else by reading it), then allocate and
         # stream read -> verify -> scatter, reading batch j+1 while batch j is
@@ -581,11 +583,12 @@ class Bridge:
             elif known != manifest.pages[ix]:
                 raise DigestMismatch(ix, f"its sha256 is {known}, manifest.json lists {manifest.pages[ix]}")
         for _, a, b in batches(len(unknown), st.capacity):
-            self._read_all(ex, [(source, manifest, unknown[r],
-                                 st.host_row((r - a) % 2, (r - a) // 2), False) for r in range(a, b)])
+            self._read_all(ex, workers, [(source, manifest, unknown[r],
+                                          st.host_row((r - a) % 2, (r - a) // 2), False)
+                                         for r in range(a, b)])
 
         if pool.device.type == "cpu":
-            return self._stream_cpu(source, manifest, needed, ex, allocator)
+            return self._stream_cpu(source, manifest, needed, ex, workers, allocator)
         jobs = list(batches(n, st.max_batch))
 
         def read(j: int, a: int, b: int) -> list[Future]:
@@ -619,6 +622,40 @@ class Bridge:
             allocator.free(blocks)
             raise
         return blocks
+
+
+def _run_each(ex: ThreadPoolExecutor, k: int, fn: Callable[[int], Any], n: int) -> list:
+    """``fn(r)`` for r in 0..n-1 on *k* tasks of *ex*, each taking the next r
+    until none is left: their results in order, or, once every task has
+    stopped, the failure of the first r that failed (a failure stops the
+    tasks from taking more; every r before it was taken, so has run).
+
+    One task a thread, not one a page: a future a page kept the caller's
+    thread busy creating them, holding the GIL, for longer than a small
+    page's decode takes (docs/performance.md)."""
+    results: list = [None] * n
+    errors: dict[int, BaseException] = {}
+    taken = itertools.count()    # (next() on it is atomic)
+    stop = threading.Event()
+
+    def task() -> None:
+        while not stop.is_set():
+            r = next(taken)
+            if r >= n:
+                return
+            try:
+                results[r] = fn(r)
+            except BaseException as e:
+                errors[r] = e
+                stop.set()
+                return
+    futs = [ex.submit(task) for _ in range(max(1, min(k, n)))]
+    wait(futs)
+    for f in futs:
+        f.result()
+    if errors:
+        raise errors[min(errors)]
+    return results
 
 
 def _batch_size(n: int, max_batch: int) -> int:

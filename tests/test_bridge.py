@@ -531,3 +531,34 @@ def test_layers_of_one_allocation_copy_a_block_at_once_and_the_same_bytes(layout
     stacked.scatter(stacked.block_index([0, 1, 9]), c)
     apart.scatter(apart.block_index([0, 1, 9]), c)
     assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(stacked.layers, apart.layers))
+
+
+def test_threads_take_pages_in_turn_and_small_pages_page_in_on_one(monkeypatch):
+    """A page-out and a page-in of 64 pages give each I/O thread one task that
+    takes pages in turn, not a task a page (a future a page cost the calling
+    thread more than a small page's decode); pages under 512 KiB are paged
+    in on one thread, larger ones on io_workers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine_bridge.bridge import PAGE_IN_THREADS_FROM
+    submitted: list[str] = []
+    real = ThreadPoolExecutor.submit
+
+    def counting(self, fn, *args, **kw):
+        submitted.append(getattr(fn, "__name__", "?"))
+        return real(self, fn, *args, **kw)
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", counting)
+    pool = random_pool("bf16", "flash_attn NHD", num_blocks=128)
+    br = Bridge(pool, RefCountingAllocator(128), io_workers=2)
+    seq = SeqBlocks("x", list(range(64)), 64 * 4 - 1)
+    session = MemorySession()
+    m = br.page_out([seq], session)
+    assert len(m.pages) == 64 and len(submitted) <= 2, submitted
+    submitted.clear()
+    res = br.page_in(session)
+    assert br.page_in_workers() == 1 and len(submitted) <= 2, submitted
+    assert br.page_out(res.seqs, MemorySession()).pages == m.pages
+    big = KVPool.allocate(num_blocks=2, dtype=torch.bfloat16, block_size=16, n_layers=8, n_heads=8,
+                          head_dim=128)
+    assert big.page_bytes == PAGE_IN_THREADS_FROM
+    assert Bridge(big, io_workers=3).page_in_workers() == 3
