@@ -55,6 +55,7 @@ from .direct import BlobSource, as_source, store_access
 from .errors import BridgeError, PageInError
 from .pool import BlockId
 from .sessions import SessionSource
+from .warm import WARM_BYTES, WarmPages
 
 log = logging.getLogger("engine_bridge.agent")
 
@@ -209,7 +210,7 @@ class Agent:
 
     def __init__(self, adapter: EngineAdapter, where: str | os.PathLike, name: str, *,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, workers: int = 2,
-                 on_detach: Callable[["Agent"], None] | None = None):
+                 on_detach: Callable[["Agent"], None] | None = None, warm_bytes: int = WARM_BYTES):
         self.adapter = adapter
         self.bridge = adapter.bridge
         self.pool = adapter.bridge.pool
@@ -234,6 +235,9 @@ class Agent:
         self._host: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
         self._registered_host = False
+        #: pages of sessions being copied in, decoded ahead of their load
+        #: (engine_bridge.warm; *warm_bytes* 0: none)
+        self.warm = WarmPages(warm_bytes, pb)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -264,7 +268,7 @@ class Agent:
         return {"name": self.name, "pid": os.getpid(), "geometry": pool.geometry,
                 "page_bytes": pool.page_bytes, "slots": self.slots, "num_blocks": pool.num_blocks,
                 "layout": SUPPORTED_LAYOUTS[0], "model": bridge.model, "kv": pool.kv,
-                "engine": pool.engine_info(bridge.engine_name)}
+                "engine": pool.engine_info(bridge.engine_name), "warms": self.warm.limit > 0}
 
     def attach(self) -> "Agent":
         """Connect, register and start serving; returns self."""
@@ -326,12 +330,20 @@ class Agent:
                     protocol.close_fds(fds)
                     self._release(msg.get("snap"))
                     continue
+                if op == "warm":    # (no answer: a hint)
+                    protocol.close_fds(fds)
+                    mount, blobs = msg.get("mount"), msg.get("blobs")
+                    if isinstance(mount, str) and os.path.isabs(mount) and isinstance(blobs, list) \
+                            and all(isinstance(b, str) for b in blobs):
+                        self.warm.want(mount, blobs)
+                    continue
                 ex.submit(self._answer, chan, msg, fds)
         finally:
             self._shutdown(chan, ex)
 
     def _shutdown(self, chan: protocol.Channel, ex: ThreadPoolExecutor) -> None:
         ex.shutdown(wait=True)
+        self.warm.stop()
         with self.adapter.lock:
             with self._snap_lock:
                 snaps, self._snaps = list(self._snaps.values()), {}
@@ -543,12 +555,17 @@ class Agent:
             raise protocol.Refused(errno.ENOTSUP, "this engine cannot read the mount's store directly")
         manifest = os.pread(fds[0], mlen, 0)
         try:
-            source = BlobSource(manifest, sizes, access)
+            source = BlobSource(manifest, sizes, access, warm=self.warm)
         except ManifestError as e:
+            self.warm.clear()
             raise protocol.Refused(errno.EINVAL, f"manifest.json: {e}") from None
-        with self.adapter.lock:
-            ids = self.adapter.page_in(source)
-            self._group(name, ids)
+        self.warm.freeze()
+        try:
+            with self.adapter.lock:
+                ids = self.adapter.page_in(source)
+                self._group(name, ids)
+        finally:
+            self.warm.clear()
         log.info("paged in %s from the store: sequences %s", name, ", ".join(ids))
         return {"seqs": ids}
 

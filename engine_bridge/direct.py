@@ -46,7 +46,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, IntegrityError, MissingBlob, PffsError
@@ -59,6 +59,9 @@ from pffs.storedir import GcLock
 from pffs.types import Digest, digest_bytes, digest_of
 
 from .errors import DamagedPage, PageOutError
+
+if TYPE_CHECKING:
+    from .warm import WarmPages
 from .sessions import (
     DirSink,
     DirSource,
@@ -590,12 +593,15 @@ class BlobSource:
     missing or damaged is refused naming its page, never loaded.
     """
 
-    def __init__(self, manifest: bytes, sizes: list[int], access: StoreAccess):
+    def __init__(self, manifest: bytes, sizes: list[int], access: StoreAccess,
+                 warm: "WarmPages | None" = None):
         self.manifest = bytes(manifest)
         self.pages = parse(self.manifest).pages
         self.sizes = list(sizes)
         self.blobs = access.blobs()
         self.bucket = access.bucket
+        #: pages decoded ahead while the session was being copied in (engine_bridge.warm)
+        self.warm = warm
 
     def read_manifest(self) -> bytes:
         return self.manifest
@@ -609,8 +615,13 @@ class BlobSource:
         return self.read_page_into_checked(ix, out)[0]
 
     def read_page_into_checked(self, ix: int, out: memoryview) -> tuple[int, Digest | None]:
-        """As DirectSource's."""
+        """As DirectSource's; a page decoded ahead is taken from *warm*."""
         d = Digest(self.pages[ix])
+        if self.warm is not None:
+            data = self.warm.take(d, len(out))
+            if data is not None:
+                out[:] = data
+                return len(data), d
         try:
             frame, cached = _fetch_frame(self.blobs, self.bucket, d)
             n, checked = _decode_page(self.bucket, ix, d, frame, cached, out)

@@ -7,6 +7,7 @@ of another uid that falls back to the mount."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -334,3 +335,85 @@ def test_decode_into_gives_the_bytes_decode_gives(bf16_pages):
             assert codec.decode_into(f, out) == len(page)
             assert bytes(out) == codec.decode(f)
             assert codec.decode_into(f, bytearray(len(page) + 2)) == len(page)  # (wrong size: untouched)
+
+
+class _Loader:
+    """An engine adapter whose page-ins are kept for the test to check (engine_bridge.agent)."""
+
+    def __init__(self, bridge: Bridge):
+        from engine_bridge.agent import StepLock
+        self.bridge = bridge
+        self.lock = StepLock()
+        self.loaded: list = []
+
+    def sequences(self):
+        return []
+
+    def pin(self, blocks):
+        self.bridge.allocator.incref(blocks)
+
+    def unpin(self, blocks):
+        self.bridge.allocator.free(blocks)
+
+    def page_in(self, source):
+        res = self.bridge.page_in(source)
+        self.loaded.append(res)
+        return [s.id for s in res.seqs]
+
+
+def test_pages_copied_into_an_engine_are_decoded_ahead_of_their_load(mnt):
+    """As cp copies each page file into engines/E/, the daemon tells the
+    engine its blob, which the agent decodes ahead; the load that follows
+    takes those pages (here all of them: the manifest is copied last, once
+    they are decoded) and the session goes in bit for bit."""
+    from engine_bridge import MemorySession
+    from engine_bridge.agent import Agent
+    pool = pool_of(12, seed=21)
+    br = bridge_of(pool)
+    m = br.page_out([one_seq(pool)], mnt / "snap")
+    loader = _Loader(bridge_of(pool_of(12, seed=22)))
+    with Agent(loader, mnt.path, "loader") as agent:
+        dest = mnt / "engines" / "loader" / "s"
+        (dest / "pages").mkdir(parents=True)
+        names = sorted(os.listdir(mnt / "snap" / "pages"))
+        subprocess.run(["cp", *[str(mnt / "snap" / "pages" / p) for p in names], str(dest / "pages")],
+                       check=True)
+        wait_for(lambda: agent.warm.counts["decoded"] == 12, what="the pages decoded ahead")
+        assert agent.warm.counts["asked"] == 12 and agent.warm.held() == 12 * pool.page_bytes
+        subprocess.run(["cp", str(mnt / "snap" / "manifest.json"), str(dest)], check=True)
+        assert len(loader.loaded) == 1
+        assert agent.warm.counts["taken"] == 12 and agent.warm.held() == 0
+        res = loader.loaded[0]
+        assert loader.bridge.page_out(res.seqs, MemorySession()).pages == m.pages
+        loader.bridge.allocator.free(res.blocks)
+        # A plain cp -r: every page is told of; what was not decoded in time is read by the load.
+        subprocess.run(["cp", "-r", str(mnt / "snap"), str(mnt / "engines" / "loader" / "t")], check=True)
+        assert agent.warm.counts["asked"] == 24 and len(loader.loaded) == 2
+        assert loader.bridge.page_out(loader.loaded[1].seqs, MemorySession()).pages == m.pages
+
+
+def test_pages_decoded_ahead_are_bounded_named_and_dropped(mnt):
+    """WarmPages holds at most its limit, decodes only frames that name the
+    blob asked for, and drops everything at clear() and after its idle time."""
+    from engine_bridge.warm import WarmPages
+    pool = pool_of(6, seed=23)
+    m = bridge_of(pool).page_out([one_seq(pool)], mnt / "s")
+    pb = pool.page_bytes
+    blobs = StoreDir(mnt.store).blobs
+    blobs.path(m.pages[5]).write_bytes(blobs.path(m.pages[4]).read_bytes())   # (4's frame at 5's name)
+    w = WarmPages(limit=3 * pb, page_bytes=pb, idle=0.5)
+    try:
+        w.want(str(mnt.path), [m.pages[5], *m.pages[:5], "sha256:" + "0" * 64])
+        wait_for(lambda: w.counts["decoded"] + w.counts["skipped"] == 7, what="every page tried")
+        assert w.counts["decoded"] == 3 and w.held() == 3 * pb
+        got = w.take(m.pages[0], pb)
+        assert got is not None and "sha256:" + hashlib.sha256(got).hexdigest() == m.pages[0]
+        assert w.take(m.pages[5], pb) is None and w.take(m.pages[1], pb - 1) is None
+        w.clear()
+        assert w.held() == 0 and w.take(m.pages[2], pb) is None
+        w.want(str(mnt.path), [m.pages[0]])
+        wait_for(lambda: w.counts["decoded"] == 4, what="a page decoded again")
+        wait_for(lambda: w.held() == 0, what="the idle time dropping it")
+    finally:
+        w.stop()
+    mnt.skip_check = True  # (page 5's blob is damaged on purpose)

@@ -82,6 +82,7 @@ class LiveEngine(EngineSessions):
         self._names_at = float("-inf")
         self._listing: trio.Event | None = None
         self._pidfd: int | None = None
+        self._warm: list[str] = []    # blobs to tell the engine of (warm)
 
     def __repr__(self) -> str:
         return f"engine {self.name!r} (pid {self.reg.pid})"
@@ -127,6 +128,28 @@ class LiveEngine(EngineSessions):
         if not reply.get("ok"):
             raise EngineRefused(int(reply.get("errno") or errno.EIO), str(reply.get("error") or "refused"))
         return reply
+
+    def warm(self, digest: str) -> None:
+        """A page file being copied into this engine's folder holds blob *digest*:
+        tell the engine, which decodes it ahead of the load (engine_bridge.warm).
+        No answer is awaited; digests told while one message is on its way go
+        in the next."""
+        if not self.alive or not self.reg.info.get("warms"):
+            return
+        self._warm.append(digest)
+        if len(self._warm) > 1:
+            return      # (a sender is on its way: it takes this one too)
+
+        async def send() -> None:
+            while self._warm and self.alive:
+                blobs = list(self._warm)
+                try:
+                    await self.chan.send({"op": "warm", "mount": self.registry.mountpoint, "blobs": blobs})
+                except (OSError, trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                del self._warm[:len(blobs)]
+            self._warm.clear()
+        self.registry.spawn(send)
 
     def _spawn_release(self, snap_id: int) -> None:
         async def send() -> None:

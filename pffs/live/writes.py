@@ -99,6 +99,8 @@ class IncomingWrites:
                 or inc.state != "gathering" or inc.is_manifest(node):
             return False    # (a manifest.json's bytes are parsed at its close)
         inc.hold_blob(node, digest, size)
+        if inc.page_index(node) is not None:
+            h.entry.engine.warm(digest)     # (its load will want it decoded)
         return True
 
     async def _unblob(self, eng: EngineSessions, inc: IncomingSession, node: Node) -> None:

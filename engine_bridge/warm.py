@@ -1,0 +1,172 @@
+"""Pages decoded ahead of a load, while ``cp -r SNAP MNT/engines/E/`` is still copying.
+
+A session copied into an engine's folder is paged in once its last file is
+copied (pffs.live's ``load_blobs``), so the page-in used to start only
+after cp's requests for every file.  As cp copies each page file, the
+daemon now tells the engine which blob the file holds (a ``warm`` message:
+no answer); the agent reads that blob's frame from the store and decodes it
+here, on one thread, while cp goes on.  The load that follows takes the
+pages found here (:class:`engine_bridge.direct.BlobSource`) and decodes the
+others as before.
+
+Only named frames are decoded ahead (pffs.codec: the frame names its blob
+and its bytes match its crc32, the checks a load makes anyway), so what is
+taken from here is that blob's bytes whatever happened meanwhile: a page
+file copied again, or a session never loaded.  At most *limit* bytes are
+held; everything goes at the next load (taken or not) and after IDLE
+seconds without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from pffs import codec as codec_mod
+from pffs.errors import CodecError, PffsError
+from pffs.types import Digest, digest_bytes, is_digest
+
+from .direct import _fetch_frame, store_access
+
+log = logging.getLogger("engine_bridge.warm")
+
+#: Bytes of decoded pages an agent holds ahead of a load, by default.
+WARM_BYTES = 256 << 20
+#: Seconds after the last page asked for before what is held is dropped.
+IDLE = 30.0
+
+
+class WarmPages:
+    """Blobs decoded ahead of a load, by digest (thread-safe)."""
+
+    def __init__(self, limit: int = WARM_BYTES, page_bytes: int = 0, idle: float = IDLE):
+        self.limit = limit
+        self.page_bytes = page_bytes
+        self.idle = idle
+        self._lock = threading.Lock()
+        self._pages: dict[str, bytearray] = {}
+        self._held = 0
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stores: dict[str, Any] = {}   # mount -> (blobs, bucket), or None: not readable here
+        self._gen = 0          # a load (or the idle time) drops what came before
+        self._frozen = False   # a load is on: decode no more (its threads do)
+        self._last = 0.0
+        #: Pages asked for, decoded, taken by a load, and skipped (over the
+        #: limit, not named, damaged, not readable from here).
+        self.counts = {"asked": 0, "decoded": 0, "taken": 0, "skipped": 0}
+
+    def want(self, mount: str, digests: list[str]) -> None:
+        """Decode these blobs of *mount*'s store ahead (from the agent's reader thread)."""
+        if self.limit <= 0:
+            return
+        with self._lock:
+            self.counts["asked"] += len(digests)
+            self._last = time.monotonic()
+            gen = self._gen
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pffs-warm", daemon=True)
+                self._thread.start()
+        for d in digests:
+            self._q.put((gen, mount, d))
+
+    def take(self, digest: str, size: int) -> bytearray | None:
+        """The decoded bytes of *digest* if held here and *size* long (then no longer held)."""
+        with self._lock:
+            data = self._pages.pop(digest, None)
+            if data is None:
+                return None
+            self._held -= len(data)
+            if len(data) != size:
+                return None
+            self.counts["taken"] += 1
+            return data
+
+    def held(self) -> int:
+        with self._lock:
+            return self._held
+
+    def freeze(self) -> None:
+        """A load begins: keep what is held, decode nothing more (the load's
+        own threads decode what is missing)."""
+        with self._lock:
+            self._frozen = True
+
+    def clear(self) -> None:
+        """Drop what is held and what is still asked for (after a load)."""
+        with self._lock:
+            self._gen += 1
+            self._frozen = False
+            self._pages.clear()
+            self._held = 0
+
+    def stop(self) -> None:
+        self.clear()
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._q.get(timeout=self.idle)
+            except queue.Empty:
+                with self._lock:
+                    if self._pages and time.monotonic() - self._last >= self.idle:
+                        log.info("dropping %d pages decoded ahead of a load that did not come",
+                                 len(self._pages))
+                        self._gen += 1
+                        self._pages.clear()
+                        self._held = 0
+                continue
+            if job is None:
+                return
+            gen, mount, d = job
+            try:
+                self._one(gen, mount, d)
+            except Exception:   # (an optimisation: the load reads the page itself)
+                log.exception("decoding %s ahead of a load", d)
+                self.counts["skipped"] += 1
+
+    def _one(self, gen: int, mount: str, d: str) -> None:
+        with self._lock:
+            if gen != self._gen or self._frozen or d in self._pages or not is_digest(d):
+                return
+            if self._held + (self.page_bytes or 0) > self.limit:
+                self.counts["skipped"] += 1
+                return
+        store = self._store(mount)
+        if store is None:
+            self.counts["skipped"] += 1
+            return
+        blobs, bucket = store
+        try:
+            frame, _ = _fetch_frame(blobs, bucket, Digest(d))
+            hdr = codec_mod.read_header(frame)
+            if not hdr.named or (self.page_bytes and hdr.raw_len != self.page_bytes):
+                self.counts["skipped"] += 1
+                return
+            out = bytearray(hdr.raw_len)
+            n, checked = codec_mod.decode_into_checked(frame, out, digest_bytes(Digest(d)))
+        except (PffsError, CodecError, OSError):
+            self.counts["skipped"] += 1    # (the load says what is wrong with it, naming its page)
+            return
+        if not checked or n != len(out):
+            self.counts["skipped"] += 1
+            return
+        with self._lock:
+            if gen != self._gen or d in self._pages or self._held + n > self.limit:
+                return
+            self._pages[d] = out
+            self._held += n
+            self.counts["decoded"] += 1
+
+    def _store(self, mount: str):
+        if mount not in self._stores:
+            access = store_access(mount)
+            self._stores[mount] = None if access is None else (access.blobs(), access.bucket)
+        return self._stores[mount]
