@@ -46,7 +46,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Protocol, Union
 
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, IntegrityError, MissingBlob, PffsError
@@ -59,9 +59,6 @@ from pffs.storedir import GcLock
 from pffs.types import Digest, digest_bytes, digest_of
 
 from .errors import DamagedPage, PageOutError
-
-if TYPE_CHECKING:
-    from .warm import WarmPages
 from .sessions import (
     DirSink,
     DirSource,
@@ -583,6 +580,12 @@ class DirectSource:
         return d if d is not None else self.mount.page_digest(ix)
 
 
+class PagesAhead(Protocol):
+    """Pages decoded ahead of a load (engine_bridge.warm.WarmPages)."""
+
+    def take(self, digest: str, size: int) -> bytearray | None: ...
+
+
 class BlobSource:
     """A session whose every page is the blob its manifest names, read from a
     mount's store by those names (the pages of a session copied into
@@ -594,7 +597,7 @@ class BlobSource:
     """
 
     def __init__(self, manifest: bytes, sizes: list[int], access: StoreAccess,
-                 warm: "WarmPages | None" = None):
+                 warm: "PagesAhead | None" = None):
         self.manifest = bytes(manifest)
         self.pages = parse(self.manifest).pages
         self.sizes = list(sizes)

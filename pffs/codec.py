@@ -1,6 +1,6 @@
 """Where bytes are compressed: self-describing blob frames.
 
-A frame is a 20-byte header followed by the payload::
+A frame is a 20-byte header, then (a named frame) its name, then the payload::
 
     offset size  field
     0      4     magic b"PFB1"
