@@ -148,14 +148,21 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
-def test_planted_decompression_bombs(mount_factory, bf16_pages, tmp_path):
+def _stopped_with_session(mount_factory, bf16_pages, tmp_path, n: int, salt: int, allow: str):
+    """(mount, pages, blob store): a session /s of *n* pages copied into a
+    fresh mount, which is then stopped so that its blobs can be tampered with."""
     m = mount_factory()
-    m.allow(r"ERROR pffs.fs: read /s/pages/00000[123]: blob sha256:")
-    pages = varied_pages(bf16_pages, 4, salt=902)
+    m.allow(allow)
+    pages = varied_pages(bf16_pages, n, salt=salt)
     write_session(tmp_path / "s", pages)
     run("cp", "-r", tmp_path / "s", m / "s")
     assert m.stop() == 0
-    blobs = StoreDir(m.store).blobs
+    return m, pages, StoreDir(m.store).blobs
+
+
+def test_planted_decompression_bombs(mount_factory, bf16_pages, tmp_path):
+    m, pages, blobs = _stopped_with_session(mount_factory, bf16_pages, tmp_path, 4, 902,
+                                            r"ERROR pffs.fs: read /s/pages/00000[123]: blob sha256:")
     n = len(pages[0])
     crc = zlib.crc32(pages[1])
     bombs = {
@@ -197,13 +204,8 @@ def test_a_blob_file_holding_another_blob_or_damage_made_to_fit(mount_factory, b
     a log line naming the blob) though its bytes and crc32 are sound; bytes
     changed with a crc32 made to match pass a read's checks, and
     `pffs check --read-data`, which hashes every blob again, finds both."""
-    m = mount_factory()
-    m.allow(r"ERROR pffs.fs: read /s/pages/000001: blob sha256:")
-    pages = varied_pages(bf16_pages, 3, salt=904)
-    write_session(tmp_path / "s", pages)
-    run("cp", "-r", tmp_path / "s", m / "s")
-    assert m.stop() == 0
-    blobs = StoreDir(m.store).blobs
+    m, pages, blobs = _stopped_with_session(mount_factory, bf16_pages, tmp_path, 3, 904,
+                                            r"ERROR pffs.fs: read /s/pages/000001: blob sha256:")
     blobs.path(digest(pages[1])).write_bytes(blobs.path(digest(pages[0])).read_bytes())
     frame = bytearray(blobs.path(digest(pages[2])).read_bytes())
     hdr = codec.read_header(frame)
