@@ -42,7 +42,7 @@ IDLE = 30.0
 class WarmPages:
     """Blobs decoded ahead of a load, by digest (thread-safe)."""
 
-    def __init__(self, limit: int = WARM_BYTES, page_bytes: int = 0, idle: float = IDLE):
+    def __init__(self, limit: int, page_bytes: int, idle: float = IDLE):
         self.limit = limit
         self.page_bytes = page_bytes
         self.idle = idle
@@ -136,7 +136,7 @@ class WarmPages:
         with self._lock:
             if gen != self._gen or self._frozen or d in self._pages or not is_digest(d):
                 return
-            if self._held + (self.page_bytes or 0) > self.limit:
+            if self._held + self.page_bytes > self.limit:
                 self.counts["skipped"] += 1
                 return
         store = self._store(mount)
@@ -144,20 +144,18 @@ class WarmPages:
             self.counts["skipped"] += 1
             return
         blobs, bucket = store
+        out = bytearray(self.page_bytes)
         try:
             frame, _ = _fetch_frame(blobs, bucket, Digest(d))
-            hdr = codec_mod.read_header(frame)
-            if not hdr.named or (self.page_bytes and hdr.raw_len != self.page_bytes):
-                self.counts["skipped"] += 1
-                return
-            out = bytearray(hdr.raw_len)
-            n, checked = codec_mod.decode_into_checked(frame, out, digest_bytes(Digest(d)))
+            # (a frame without a name would be decoded unchecked: left to the load)
+            checked = codec_mod.read_header(frame).named and \
+                codec_mod.decode_into_checked(frame, out, digest_bytes(Digest(d)))[1]
         except (PffsError, CodecError, OSError):
-            self.counts["skipped"] += 1    # (the load says what is wrong with it, naming its page)
-            return
-        if not checked or n != len(out):
+            checked = False     # (the load says what is wrong with it, naming its page)
+        if not checked:
             self.counts["skipped"] += 1
             return
+        n = len(out)
         with self._lock:
             if gen != self._gen or d in self._pages or self._held + n > self.limit:
                 return

@@ -117,7 +117,7 @@ class FrameHeader:
     @property
     def payload_at(self) -> int:
         """Where the payload starts in the frame."""
-        return HEADER_SIZE + NAME_SIZE if self.flags & FLAG_NAMED else HEADER_SIZE
+        return HEADER_SIZE + NAME_SIZE if self.named else HEADER_SIZE
 
 
 _local = threading.local()
@@ -373,9 +373,17 @@ def frame_name(frame) -> bytes | None:
     hdr = read_header(frame)
     if not hdr.named:
         return None
-    if len(frame) < HEADER_SIZE + NAME_SIZE:
+    if len(frame) < hdr.payload_at:
         raise CodecError("named frame truncated in its name")
-    return bytes(memoryview(frame)[HEADER_SIZE:HEADER_SIZE + NAME_SIZE])
+    return bytes(memoryview(frame)[HEADER_SIZE:hdr.payload_at])
+
+
+def check_name(frame, name: bytes) -> bool:
+    """Whether *frame* is named; CodecError if it names another blob than *name*."""
+    got = frame_name(frame)
+    if got is not None and got != name:
+        raise CodecError("the frame stored under its name names another blob")
+    return got is not None
 
 
 def _payload(frame, hdr: FrameHeader) -> memoryview:
@@ -440,10 +448,7 @@ def decode_into_checked(frame, out, name: bytes) -> tuple[int, bool]:
     *name* (a sha256): a named frame must name it (CodecError otherwise) and
     its crc32 is checked; an unnamed frame's bytes are not checked at all,
     for a caller that then hashes them."""
-    hdr = read_header(frame)
-    if not hdr.named:
+    if not check_name(frame, name):
         return decode_into(frame, out, check_crc=False), False
-    if frame_name(frame) != name:
-        raise CodecError("the frame stored under its name names another blob")
     n = decode_into(frame, out)
     return n, n == len(memoryview(out).cast("B"))

@@ -84,9 +84,7 @@ def decode_verified(digest: Digest, frame: bytes, max_raw: int, verify: bool = T
         hdr = codec_mod.read_header(frame)
         held = contextlib.nullcontext() if hold is None else hold(hdr.raw_len)
         with held:
-            if verify and hdr.named and codec_mod.frame_name(frame) != digest_bytes(digest):
-                raise CorruptBlob(digest, "the frame stored under its name names another blob")
-            if verify and hdr.named and not rehash:
+            if verify and codec_mod.check_name(frame, digest_bytes(digest)) and not rehash:
                 return codec_mod.decode(frame, max_raw)
             # The sha256 check below is stronger than the frame's crc32.
             raw = codec_mod.decode(frame, max_raw, check_crc=not verify)
@@ -234,8 +232,7 @@ class LocalBlobStore:
             os.close(fd)
         try:
             hdr = codec_mod.read_header(head)
-            if hdr.named and codec_mod.frame_name(head) != digest_bytes(digest):
-                return None
+            codec_mod.check_name(head, digest_bytes(digest))   # (a frame of another blob: replaced)
         except CodecError:
             return None
         if hdr.raw_len != raw_size or (hdr.codec.id == codec_mod.CODEC_RAW
