@@ -51,7 +51,7 @@ from pffs.manifest import ManifestError
 from pffs.types import Digest
 
 from .bridge import SUPPORTED_LAYOUTS, Bridge, SeqBlocks
-from .direct import BlobSource, as_source, store_access
+from .direct import BlobSink, BlobSource, as_source, store_access
 from .errors import BridgeError, PageInError
 from .pool import BlockId
 from .sessions import SessionSource
@@ -215,6 +215,8 @@ class Agent:
         self.bridge = adapter.bridge
         self.pool = adapter.bridge.pool
         self.path = socket_path(where)
+        # The mount (where the socket is MNT/.pffs/engine.sock): its store, for pages stored directly.
+        self.mount = Path(where) if Path(where).is_dir() else self.path.parent.parent
         self.name = name
         self.on_detach = on_detach
         pb = self.pool.page_bytes
@@ -240,6 +242,13 @@ class Agent:
         self.warm = WarmPages(warm_bytes, pb)
 
     # -- lifecycle -------------------------------------------------------------
+
+    @property
+    def snapshots_pinned(self) -> int:
+        """Snapshots the daemon holds pinned in this engine now (released
+        once its readers are done with them)."""
+        with self._snap_lock:
+            return len(self._snaps)
 
     def _make_staging(self) -> None:
         pb, n = self.pool.page_bytes, self.slots
@@ -268,7 +277,7 @@ class Agent:
         return {"name": self.name, "pid": os.getpid(), "geometry": pool.geometry,
                 "page_bytes": pool.page_bytes, "slots": self.slots, "num_blocks": pool.num_blocks,
                 "layout": SUPPORTED_LAYOUTS[0], "model": bridge.model, "kv": pool.kv,
-                "engine": pool.engine_info(bridge.engine_name), "warms": self.warm.limit > 0}
+                "engine": pool.engine_info(bridge.engine_name), "warms": self.warm.limit > 0, "stores": True}
 
     def attach(self) -> "Agent":
         """Connect, register and start serving; returns self."""
@@ -379,7 +388,7 @@ class Agent:
         try:
             handlers = {"list": self._list, "snapshot": self._snapshot, "gather": self._gather,
                         "page_in": self._page_in, "load_blobs": self._load_blobs, "save": self._save,
-                        "load": self._load}
+                        "load": self._load, "store": self._store}
             fn = handlers.get(op) if op is not None else None
             if fn is None:
                 raise protocol.Refused(errno.EINVAL, f"unknown request {op!r}")
@@ -495,6 +504,29 @@ class Agent:
                 host[run[0][0]:run[-1][0] + 1].copy_(dev, non_blocking=self._registered_host)
         self._stream.synchronize()
         return {}
+
+    def _store(self, msg, fds) -> dict[str, Any]:
+        """Store pages of a pinned snapshot as blobs straight into the mount's
+        (local) store, as a page-out writes them: for a copy out of engines/,
+        which the daemon then names (it adopts the blobs).  Refused
+        (EOPNOTSUPP) where this process cannot use the store: the daemon then
+        stores the pages itself from staging."""
+        with self._snap_lock:
+            snap = self._snaps.get(msg.get("snap"))
+        if snap is None:
+            raise protocol.Refused(errno.ENOENT, "no such snapshot")
+        ixs = msg.get("pages")
+        if not isinstance(ixs, list) or not all(isinstance(ix, int) and 0 <= ix < len(snap.blocks)
+                                                for ix in ixs):
+            raise protocol.Refused(errno.EINVAL, "pages out of range")
+        access = store_access(self.mount)
+        if access is None or access.bucket is not None:
+            raise protocol.Refused(errno.EOPNOTSUPP, "this engine cannot store pages in the mount's store")
+        if snap.event is not None:
+            snap.event.synchronize()    # (what the engine queued before the snapshot wrote its blocks)
+        sink = BlobSink(access)
+        self.bridge.write_blocks([snap.blocks[ix] for ix in ixs], [snap.used[ix] for ix in ixs], sink)
+        return {"rows": [[ix, *sink.rows[i]] for i, ix in enumerate(ixs)]}
 
     def _save(self, msg, fds) -> dict[str, Any]:
         """Page a live session out as a session at *path* (in the mount: by the

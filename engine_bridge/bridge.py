@@ -288,6 +288,14 @@ class Bridge:
             raise
         return manifest
 
+    def write_blocks(self, blocks: list[BlockId], used: list[int], sink) -> list[Digest]:
+        """Write the pages held in *blocks* (each with its *used* token slots,
+        the rest written as zeros) to *sink* as pages 0, 1, ...: what a
+        page-out does with a session's pages, for blocks the caller keeps
+        pinned (a live snapshot's)."""
+        with self._lock:
+            return self._write_pages(blocks, used, sink)
+
     def _write_pages(self, blocks: list[BlockId], used: list[int], sink) -> list[Digest]:
         n = len(blocks)
         if not n:

@@ -449,6 +449,28 @@ class DirectSink:
             self._done = True
 
 
+class BlobSink:
+    """Pages put straight into a local pffs store as blobs, no session made:
+    the pages of a live snapshot stored for a copy out of ``engines/``
+    (the agent's ``store`` request), which the daemon then adopts and names.
+    ``rows[i]``: (digest, raw size, stored size, codec) of the page written
+    as *i*.  Nothing here is fsynced: the daemon makes the blobs durable as it
+    does those of a direct page-out, before rows naming them are."""
+
+    concurrent = True
+
+    def __init__(self, access: StoreAccess):
+        self.blobs = access.blobs()
+        self.batch: Any = self.blobs.batch()
+        self.rows: dict[int, tuple[str, int, int, str]] = {}
+
+    def write_page(self, ix: int, data: memoryview) -> Digest:
+        d = digest_of(data)
+        r = self.blobs.put(data, d, batch=self.batch)
+        self.rows[ix] = (d, r.raw_size, r.stored_size, r.codec)
+        return d
+
+
 class DirectSource:
     """Reads a session in a pffs mount, page bytes straight from its store.
 

@@ -177,11 +177,12 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     # cp -r of the live request is byte for byte the bridge's own page-out; with
     # copy_file_range (pyfuse3 built with third_party/pyfuse3's patch) its pages'
     # bytes go from engines/ to the store in the daemon, never through FUSE.
-    copies = stats(mnt)["copies"]
+    copies, work = stats(mnt)["copies"], stats(mnt)["live"]
     before = requests(mnt)
     run("cp", "-r", live, mnt / "snap")
     moved = {k: v - before.get(k, 0) for k, v in requests(mnt).items()}
     n_pages = len(listing(mnt / "snap/pages"))
+    work = {k: v - work[k] for k, v in stats(mnt)["live"].items()}
     if COPY_RANGE:
         assert moved.get("copy_file_range", 0) >= n_pages + 1
         assert moved.get("write", 0) == 0
@@ -198,6 +199,12 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
         copied = {k: v - copies[k] for k, v in stats(mnt)["copies"].items()}
         assert copied == {"shared_bytes": sum(os.path.getsize(p) for p in (mnt / "snap/pages").iterdir()),
                           "copied_bytes": os.path.getsize(mnt / "snap/manifest.json")}
+        # One snapshot, each page stored by the engine itself (none gathered
+        # into staging for the daemon) and hashed once, as it was stored: cp
+        # copies pages/ before manifest.json, which then lists the stored
+        # pages' digests without hashing them again.
+        assert work == {"snapshots": 1, "pages_gathered": 0, "pages_hashed": 0, "pages_stored": n_pages,
+                        "pages_stored_by_engine": n_pages}, work
     e1("page_out", ids=["req-1"], dest=str(tmp_path / "direct"))
     assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
     # One page read on its own (no manifest.json read first) is the same page.
@@ -293,6 +300,27 @@ def test_pages_copied_in_by_name_are_read_changed_or_sent_in_memory_as_needed(mn
     assert "engines/e3/x: paged in (sequences req-1)" in mnt.log_text()
     assert e3("state")["seqs"]["req-1"]["tokens"] == tokens
     assert e3("step", ids=["req-1"], n=5) == e2("step", ids=["req-1"], n=5)
+
+
+@pytest.mark.skipif(not COPY_RANGE, reason="pyfuse3 without third_party/pyfuse3's patch")
+def test_pages_copied_out_are_stored_by_the_daemon_where_the_engine_cannot_reach_the_store(
+        mnt, engines, tmp_path):
+    """An engine that cannot use the mount's store itself (PFFS_DIRECT=0 here;
+    an engine of another user, or an S3 store, likewise) refuses to store a
+    snapshot's pages: the daemon gathers them into staging and stores them,
+    and the copy is the same, its manifest still hashing no page again."""
+    e1 = engines(mnt, "e1", env={"PFFS_DIRECT": "0"})
+    e1("add", id="req-1", prompt=PROMPT)
+    e1("step", ids=["req-1"], n=30)
+    work = stats(mnt)["live"]
+    run("cp", "-r", mnt / "engines/e1/req-1", mnt / "snap")
+    work = {k: v - work[k] for k, v in stats(mnt)["live"].items()}
+    n_pages = len(listing(mnt / "snap/pages"))
+    assert work == {"snapshots": 1, "pages_gathered": n_pages, "pages_hashed": 0, "pages_stored": n_pages,
+                    "pages_stored_by_engine": 0}, work
+    assert "stores no pages itself" in mnt.log_text()
+    e1("page_out", ids=["req-1"], dest=str(tmp_path / "direct"))
+    assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
 
 
 def test_pffs_fork_out_of_and_into_an_engine_has_the_engine_move_the_bytes(mnt, engines):

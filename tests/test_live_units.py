@@ -249,6 +249,9 @@ def test_pages_are_stored_ahead_in_the_order_a_copy_asks_for_them():
         def gather_batch(self) -> int:
             return 4
 
+        def gather_soon(self, snap, ixs):
+            pass
+
         async def with_page(self, snap, ix, fn, ahead=()):
             started.append(ix)
             return await fn(memoryview(bytes([ix])))

@@ -313,6 +313,16 @@ class ContentStore:
                 batch.sync()
             return rows[0]
 
+    def adopt_stored(self, digests: Sequence[str]) -> None:
+        """In a commit thread: blobs a live engine put in the (local) store
+        itself, a snapshot's pages for a copy out of engines/, given rows and
+        made durable with the daemon's own (see pffs.fs.direct.LocalAdopter);
+        a copy then names them (name_if_stored), or copies the bytes where
+        one is gone by then."""
+        assert self.adopt is not None
+        with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
+            self.adopt(digests)
+
     def name_if_stored(self, digest: str, then: Callable[[], Any]) -> Any:
         """In a commit thread: ``then()`` (the transaction naming *digest*) if the
         store holds the blob, else False; the gc lock is held shared across both,

@@ -21,6 +21,7 @@ from pyfuse3 import FUSEError
 from .. import namespace as ns
 from ..errors import StoreFull, StoreUnavailable
 from ..namespace import FsError
+from ..store.local import LocalBlobStore
 from .blobcache import BlobCache, BlobReader
 from .content import ContentStore
 from .copies import copy_pieces
@@ -340,7 +341,8 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
                   staging_memory=staging_memory, journal_fsync=journal_fsync)
     manifests = Manifests(db, content, inodes, files, reader, invalidate, live=live)
     requests: dict[str, int] = {}
-    pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json, files.copies)
+    pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json, files.copies,
+                    live.reg.counts if live is not None else None)
     trees: dict[str, Tree] = {
         NAMESPACE: NamespaceTree(db, content, inodes, files, manifests, prefetch, invalidate,
                                  store_json),
@@ -352,6 +354,9 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
         live.fetch_blob = lambda digest: reader.blob(digest, ns.ROOT_INODE)
         # A live page copied out of engines/ is stored as a blob (ahead of the copy).
         live.store_blob = lambda data, digest=None: content.workers.call(content.store_bytes, data, digest)
+        if content.adopt is not None and isinstance(content.blobs, LocalBlobStore):
+            # ... or stored by the engine itself, straight into the store, and adopted.
+            live.adopt_blobs = lambda digests: content.workers.call(content.adopt_stored, digests)
         live.invalidate = invalidate
 
         def spawn(fn, *args) -> None:

@@ -41,11 +41,12 @@ _FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK, b"sto
 class PffsTree(Tree):
     def __init__(self, db: Database, reader: BlobReader, requests: dict[str, int],
                  socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n",
-                 copies: dict[str, int] | None = None):
+                 copies: dict[str, int] | None = None, live: dict[str, int] | None = None):
         self.db = db
         self.reader = reader
         self.requests = requests             # FUSE requests served, by handler
         self.copies = copies if copies is not None else {}   # (pffs.fs.files.Files.copies)
+        self.live = live                     # (pffs.live.registry.LiveRegistry.counts)
         self.store_root = store_root
         self.socket_path = socket_path.encode()
         self.store_json = store_json         # (pffs.fs.direct.store_info)
@@ -85,6 +86,8 @@ class PffsTree(Tree):
                                 "prefetch_jobs": self.reader.prefetch_jobs}
             figures["requests"] = dict(sorted(self.requests.items()))
             figures["copies"] = dict(self.copies)
+            if self.live is not None:
+                figures["live"] = dict(self.live)
             figures["namespace_writes"] = dict(self.db.counts)
             return (json.dumps(figures, indent=2) + "\n").encode()
         if ino == STORE:

@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..types import Digest, PageIndex, digest_of
+from ..namespace import BlobRow
+from ..types import Digest, PageIndex, digest_of, is_digest
 from .channel import TrioChannel
 from .errors import EngineError, EngineGone, EngineRefused, unwrap
 from .incoming import memfd_with
@@ -83,6 +84,9 @@ class LiveEngine(EngineSessions):
         self._listing: trio.Event | None = None
         self._pidfd: int | None = None
         self._warm: list[str] = []    # blobs to tell the engine of (warm)
+        # The engine stores a snapshot's pages in the mount's store itself
+        # (store_pages), until it says it cannot.
+        self.stores = bool(reg.info.get("stores"))
 
     def __repr__(self) -> str:
         return f"engine {self.name!r} (pid {self.reg.pid})"
@@ -257,15 +261,45 @@ class LiveEngine(EngineSessions):
         if snap.released:
             raise EngineGone(f"snapshot of {snap.session} is gone")
         slots = await self.slots.claim_some(len(ixs))
-        ixs = ixs[:len(slots)]
+        await self._gather_into(snap, ixs[:len(slots)], slots)
+
+    def gather_soon(self, snap: Snapshot, ixs: Sequence[PageIndex]) -> None:
+        """Have those of pages *ixs* neither in staging nor on their way gathered
+        in the background, into slots free now (none waited for): the pages a
+        copy out of the snapshot stores next are then in staging when their
+        turn comes, instead of each batch's gather keeping every store waiting."""
+        if snap.released or not self.alive:
+            return
+        todo = [ix for ix in ixs
+                if (snap.id, ix) not in self.slots.slot_of and (snap.id, ix) not in self.slots.loading]
+        slots = self.slots.claim(len(todo)) if todo else []
+        if not slots:
+            return
+        # (claimed and marked loading before anything else runs: no page is gathered twice)
+        gathering = self._gather_into(snap, todo[:len(slots)], slots)
+
+        async def run() -> None:
+            try:
+                await gathering
+            except Exception as e:  # (the engine went, the snapshot was released): gathered when asked
+                log.debug("engine %s: pages gathered ahead of a copy: %s", self.name, e)
+        self.registry.spawn(run)
+
+    def _gather_into(self, snap: Snapshot, ixs: list[PageIndex], slots: list[int]) -> Awaitable[None]:
+        """Mark pages *ixs* loading into claimed *slots*; the awaitable gathers them."""
         keys = [(snap.id, ix) for ix in ixs]
         ev = trio.Event()
         for k in keys:
             self.slots.loading[k] = ev
+        return self._fill(snap, ixs, slots, keys, ev)
+
+    async def _fill(self, snap: Snapshot, ixs: list[PageIndex], slots: list[int], keys: list, ev: trio.Event
+                    ) -> None:
         ok = False
         try:
             await self.request("gather", snap=snap.id, pages=[[ix, s] for ix, s in zip(ixs, slots)])
             ok = True
+            self.registry.counts["pages_gathered"] += len(ixs)
         finally:
             for k in keys:
                 self.slots.loading.pop(k, None)
@@ -324,6 +358,38 @@ class LiveEngine(EngineSessions):
             view.release()
             self.slots.unhold(s)
 
+    async def store_pages(self, snap: Snapshot, ixs: list[PageIndex]) -> list[tuple[PageIndex, BlobRow]]:
+        """Have the engine store pages *ixs* of a snapshot in the mount's store
+        as blobs itself, as its page-out does (gathered, hashed, compressed
+        and written on its own threads, no byte through the daemon): each
+        page's blob row, for the daemon to adopt.  EngineRefused (and
+        ``stores`` False from then on) where the engine cannot reach the store."""
+        if snap.released:
+            raise EngineGone(f"snapshot of {snap.session} is gone")
+        try:
+            reply = await self.request("store", snap=snap.id, pages=ixs)
+        except EngineRefused as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self.stores = False
+                log.info("%r stores no pages itself (%s): the daemon stores them", self, e)
+            raise
+        out = []
+        try:
+            rows = reply["rows"]
+            if len(rows) != len(ixs):
+                raise ValueError(f"{len(rows)} rows for {len(ixs)} pages")
+            for want, (ix, digest, raw, stored, codec) in zip(ixs, rows):
+                if ix != want or not is_digest(digest) or raw != self.page_bytes or \
+                        not isinstance(stored, int) or stored <= 0 or not isinstance(codec, str):
+                    raise ValueError(f"row {[ix, digest, raw, stored, codec]!r} for page {want}")
+                out.append((PageIndex(ix), BlobRow(digest, raw, stored, codec)))
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("%r answered a store with rows it cannot have: %s", self, e)
+            self.stores = False
+            raise EngineError("invalid answer from the engine") from None
+        self.registry.counts["pages_stored_by_engine"] += len(out)
+        return out
+
     async def _hash(self, ixs: list[PageIndex], held: list[int], out: list) -> None:
         """Hash the held pages *ixs* into *out*, on as many threads as the
         hash limiter allows (a batch is a few pages; one thread hashed 1.5 GB/s
@@ -339,6 +405,7 @@ class LiveEngine(EngineSessions):
                 view.release()
 
         lim = self.registry.hash_limiter
+        self.registry.counts["pages_hashed"] += len(ixs)
         n, ways = len(ixs), max(1, min(len(ixs), int(lim.total_tokens)))
 
         async def one(part: range) -> None:
@@ -352,13 +419,20 @@ class LiveEngine(EngineSessions):
                 self.slots.unhold(s)
 
     async def _digests(self, snap: Snapshot) -> list[Digest]:
-        """Gather every page of a snapshot once and hash it (hashing batch j while gathering j+1)."""
+        """Gather every page of a snapshot once and hash it (hashing batch j
+        while gathering j+1), but for pages already stored for a copy out of
+        it (``snap.blobs``, hashed as they were stored): their blobs' names."""
+        for ev in [ev for ix, ev in snap.storing.items() if ix not in snap.blobs]:
+            await ev.wait()     # (being stored now: named in a moment)
         n, b = snap.n_pages, self.gather_batch()
         out: list = [None] * n
+        for ix, row in snap.blobs.items():
+            out[ix] = Digest(row.digest)
+        todo = [PageIndex(ix) for ix in range(n) if out[ix] is None]
         prev: tuple[list[PageIndex], list[int]] | None = None
         try:
-            for a in range(0, n, b):
-                ixs = [PageIndex(ix) for ix in range(a, min(n, a + b))]
+            for a in range(0, len(todo), b):
+                ixs = todo[a:a + b]
                 async with trio.open_nursery() as nursery:
                     if prev is not None:
                         nursery.start_soon(self._hash, *prev, out)

@@ -50,6 +50,12 @@ class LiveRegistry(Generic[Engine, Entry]):
         self.keys: dict[int, Engine | Entry] = {}
         self._next_key = 1
         self.incoming_bytes = 0
+        #: work done for live snapshots, in stats.json's ``live``: snapshots
+        #: taken, pages gathered from engines, pages hashed for a manifest.json,
+        #: pages stored as blobs for copies out of engines/ (and of those, the
+        #: pages the engine stored itself)
+        self.counts = {"snapshots": 0, "pages_gathered": 0, "pages_hashed": 0, "pages_stored": 0,
+                       "pages_stored_by_engine": 0}
         self.hash_limiter = trio.CapacityLimiter(2)
         #: the socket server's nursery while it serves (pffs.live.server)
         self.nursery: trio.Nursery | None = None

@@ -219,5 +219,5 @@ class LiveEngines:
         if not seals & fcntl.F_SEAL_SHRINK:
             raise ProtocolError("the staging memfd must be sealed against shrinking")
         shm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        info = {k: msg.get(k) for k in ("layout", "model", "kv", "engine", "num_blocks", "warms")}
+        info = {k: msg.get(k) for k in ("layout", "model", "kv", "engine", "num_blocks", "warms", "stores")}
         return Registration(name, pid, uid, gid, geometry, pb, slots, info), shm

@@ -29,7 +29,7 @@ log = logging.getLogger("pffs.live")
 
 LIST_TTL = 0.5              # how long a session listing is reused for lookups
 SNAPSHOT_IDLE = 2.0         # an unused snapshot is released after this long
-SNAPSHOT_REUSE = 1.0        # a snapshot taken by a stat is the next open's, within this long
+SNAPSHOT_REUSE = 1.0        # a reader's snapshot used within this long is its next manifest.json open's and listing's
 MAX_SNAPSHOTS = 64          # per engine; past it, opening another answers EBUSY
 
 
@@ -46,7 +46,8 @@ class Snapshot:
     taken: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     refs: int = 0            # open files and folders reading it
-    opened: bool = False     # manifest.json was opened on it
+    # (reader, what) of the readers that opened its manifest.json or listed its pages/ (snapshot_for)
+    fresh_for: set[tuple[int, str]] = field(default_factory=set)
     released: bool = False
     # Pages stored as blobs for copies out of it (LiveView.page_blob): page
     # index -> its blob's row; storing[ix] is set once tried.
@@ -88,6 +89,7 @@ class EngineSessions:
     _names: list[str]
     _names_at: float
     _listing: trio.Event | None
+    stores: bool            # the engine stores pages in the store itself (LiveEngine.store_pages)
 
     if TYPE_CHECKING:
         # Methods of the LiveEngine (pffs.live.engines) this half uses, and
@@ -100,6 +102,8 @@ class EngineSessions:
         async def with_page(self, snap: Snapshot, ix: PageIndex, fn: Callable[[memoryview], Awaitable[Any]],
                             ahead: Sequence[PageIndex] = ()) -> Any: ...
         def gather_batch(self) -> int: ...
+        def gather_soon(self, snap: Snapshot, ixs: Sequence[PageIndex]) -> None: ...
+        async def store_pages(self, snap: Snapshot, ixs: list[PageIndex]) -> list[tuple[PageIndex, BlobRow]]: ...
         async def page_in(self, entry: SessionEntry) -> list[str]: ...
         async def load_blobs(self, entry: SessionEntry) -> list[str] | None: ...
         def warm(self, digest: str) -> None: ...
@@ -145,14 +149,18 @@ class EngineSessions:
 
     # -- snapshots -------------------------------------------------------------
 
-    async def snapshot_for(self, entry: SessionEntry, pid: int, *, fresh: bool) -> Snapshot:
+    async def snapshot_for(self, entry: SessionEntry, pid: int, *, fresh: str = "") -> Snapshot:
         """The snapshot reader *pid* sees of *entry*.
 
-        Opening manifest.json (*fresh*) takes a new one, unless the same
-        reader took one for a stat within SNAPSHOT_REUSE seconds and has
-        not opened it yet.  Anything else (stat, listing pages/, opening a
-        page) uses the reader's snapshot, else the session's latest one
-        while it is in use, else takes one.
+        Opening manifest.json or listing pages/ (*fresh*: which of the two)
+        takes a new one, unless the same reader used its snapshot within
+        SNAPSHOT_REUSE seconds (a stat, a page it read or copied, the other
+        of the two) and has not done this one on it yet.  So ``cp -r``,
+        which lists pages/, copies the pages and then manifest.json, gets
+        one snapshot taken when it starts, and its manifest lists the pages
+        it copied; a process that reads manifest.json again gets a new one.
+        Anything else (a stat, opening a page) uses the reader's snapshot,
+        else the session's latest one while it is in use, else takes one.
         """
         if not fresh:
             s = self._usable(entry, pid)
@@ -163,14 +171,15 @@ class EngineSessions:
             if s is not None and s.released:
                 s = None
             if fresh:
-                if s is not None and (s.opened or time.monotonic() - s.taken > SNAPSHOT_REUSE):
+                if s is not None and ((pid, fresh) in s.fresh_for
+                                      or time.monotonic() - s.last_used > SNAPSHOT_REUSE):
                     s = None
             else:
                 s = self._usable(entry, pid)    # taken by another reader while we waited
             if s is None:
                 s = await self._take(entry)
             if fresh:
-                s.opened = True
+                s.fresh_for.add((pid, fresh))
             return self._bind(entry, pid, s)
 
     def _usable(self, entry: SessionEntry, pid: int) -> Snapshot | None:
@@ -201,6 +210,7 @@ class EngineSessions:
                         self.name, len(self.snapshots), entry.name)
             raise EngineRefused(errno.EBUSY, "too many snapshots")
         reply = await self.request("snapshot", session=entry.name)
+        self.registry.counts["snapshots"] += 1
         snap = Snapshot(self, int(reply["snap"]), entry.name, int(reply["n_pages"]))
         self.snapshots[snap.id] = snap
         self.slots.live_snaps.add(snap.id)

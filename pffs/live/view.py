@@ -5,7 +5,11 @@ Inode numbers (pffs.fs.trees.INODES: the ENGINES range): key 0 is
 key *k* owns ``LIVE_BASE + k * SPAN`` and up::
 
     +0              the folder (engines/NAME or engines/NAME/SESSION)
-    +1, +2          a live session's manifest.json and pages/
+    +1, +2          a live session's pages/ and manifest.json (in that order:
+                    ``cp -r`` copies a folder's entries by inode number, so it
+                    copies the pages, storing each as it goes, before the
+                    manifest, which then names what was stored without
+                    hashing a page again)
     +3 ...          files and folders of a session being copied in
     +PAGE_OFFSET+i  pages/NNNNNN (page i) of a live session
 
@@ -42,7 +46,7 @@ from ..fs.trees import LIVE_BASE, LIVE_END, LIVE_HANDLES
 from ..namespace import ROOT_INODE, BlobRow, now_ns
 from ..types import FileHandle, InodeNo, PageIndex
 from .engines import LiveEngine, Registry
-from .errors import EngineGone
+from .errors import EngineGone, EngineRefused
 from .handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
 from .incoming import MANIFEST, PAGES, Node
 from .sessions import LIST_TTL, EngineSessions, SessionEntry, Snapshot
@@ -64,10 +68,15 @@ ENGINES_NAME = b"engines"
 ENGINE_DIRS_TIMEOUT = 300.0
 # Pages of a live snapshot stored as blobs ahead of a copy out of it (page_blob),
 # and how many are read and stored at once (each holds a page in memory).
-COPY_AHEAD = 4
+COPY_AHEAD = 16
 STORE_AT_ONCE = 4
+# Where the engine stores the pages itself: pages a request, and requests at
+# once (it writes one batch at a time on its own threads; the next one waits
+# there, so that it starts as soon as the last is done).
+ENGINE_STORE_BATCH = 8
+ENGINE_STORES_AT_ONCE = 2
 ROOT_COOKIE = 1 << 62               # readdir cookie of engines/ in the root, past every row id
-MANIFEST_J, PAGES_J = 1, 2
+PAGES_J, MANIFEST_J = 1, 2
 
 
 class LiveView(IncomingWrites):
@@ -76,6 +85,8 @@ class LiveView(IncomingWrites):
         # Set by pffs.fs.operations.build: a blob of the mount's store made of
         # some bytes (its row), and how to start work in the background.
         self.store_blob: Callable[..., Awaitable[BlobRow]] | None = None   # (bytes, digest=None)
+        # ... and blobs an engine put in the store itself given rows (a local store only).
+        self.adopt_blobs: Callable[[list[str]], Awaitable[Any]] | None = None
         self.spawn: Callable[..., None] | None = None
         # Pages of live snapshots queued to be stored ahead of copies out of
         # them (_store_ahead), and the tasks storing them.
@@ -267,7 +278,7 @@ class LiveView(IncomingWrites):
             return self._session_attr(entry, 0, self._bound(entry, _pid(ctx)))
         if kind == "session":
             if name == MANIFEST:
-                snap = await obj.engine.snapshot_for(obj, _pid(ctx), fresh=False)
+                snap = await obj.engine.snapshot_for(obj, _pid(ctx))
                 await obj.engine.manifest_of(snap)
                 return self._session_attr(obj, MANIFEST_J, snap)
             if name == PAGES:
@@ -277,7 +288,7 @@ class LiveView(IncomingWrites):
             ix = mf.parse_page_name(name)
             if ix is None:
                 raise FUSEError(errno.ENOENT)
-            snap = await obj.engine.snapshot_for(obj, _pid(ctx), fresh=False)
+            snap = await obj.engine.snapshot_for(obj, _pid(ctx))
             if ix >= snap.n_pages:
                 raise FUSEError(errno.ENOENT)
             return self._session_attr(obj, PAGE_OFFSET, snap, ix)
@@ -316,7 +327,7 @@ class LiveView(IncomingWrites):
             return self._node_attr(extra)
         pid = _pid(ctx)
         if kind == "manifest":
-            snap = await obj.engine.snapshot_for(obj, pid, fresh=False)
+            snap = await obj.engine.snapshot_for(obj, pid)
             await obj.engine.manifest_of(snap)
             return self._session_attr(obj, MANIFEST_J, snap)
         snap = self._bound(obj, pid)
@@ -325,7 +336,7 @@ class LiveView(IncomingWrites):
         if kind == "pages":
             return self._session_attr(obj, PAGES_J, snap)
         if snap is None:
-            snap = await obj.engine.snapshot_for(obj, pid, fresh=False)
+            snap = await obj.engine.snapshot_for(obj, pid)
         if extra >= snap.n_pages:
             raise FUSEError(errno.ENOENT)   # (a name the kernel kept: not in this reader's snapshot)
         return self._session_attr(obj, PAGE_OFFSET, snap, extra)
@@ -338,7 +349,7 @@ class LiveView(IncomingWrites):
             raise FUSEError(errno.ENOTDIR)
         dh = DirHandle(ino)
         if kind == "pages":
-            dh.snap = await obj.engine.snapshot_for(obj, _pid(ctx), fresh=False)
+            dh.snap = await obj.engine.snapshot_for(obj, _pid(ctx), fresh="pages/")
             dh.snap.refs += 1
         fh = FileHandle(self._next_dh)
         self._next_dh += 1
@@ -378,8 +389,8 @@ class LiveView(IncomingWrites):
             return
         if kind == "session":
             snap = obj.latest if obj.latest is not None and not obj.latest.released else None
-            items = [(MANIFEST, self._session_attr(obj, MANIFEST_J, snap), MANIFEST_J),
-                     (PAGES, self._session_attr(obj, PAGES_J, snap), PAGES_J)]
+            items = [(PAGES, self._session_attr(obj, PAGES_J, snap), PAGES_J),
+                     (MANIFEST, self._session_attr(obj, MANIFEST_J, snap), MANIFEST_J)]
             for name, attr, cookie in items:
                 if cookie > start_id and not pyfuse3.readdir_reply(token, name, attr, cookie):
                     return
@@ -434,7 +445,7 @@ class LiveView(IncomingWrites):
             if writable:
                 raise FUSEError(errno.EACCES)
             pid = _pid(ctx)
-            snap = await obj.engine.snapshot_for(obj, pid, fresh=kind == "manifest")
+            snap = await obj.engine.snapshot_for(obj, pid, fresh="manifest.json" if kind == "manifest" else "")
             if kind == "manifest":
                 await obj.engine.manifest_of(snap)
             elif extra >= snap.n_pages:
@@ -471,9 +482,12 @@ class LiveView(IncomingWrites):
         """copy_file_range out of a live session (cp -r of it): for a page, the
         page stored as a blob of the mount's store, for the copy to name (None
         where that failed: then the bytes are copied).  The pages ahead are
-        stored meanwhile on the commit threads, every page of the snapshot once
-        its manifest.json is copied (cp copies it first), so the session's
-        pages are stored in parallel though cp copies one file at a time."""
+        stored meanwhile on the commit threads (COPY_AHEAD of them; every page
+        of the snapshot once its manifest.json is copied), so the session's
+        pages are stored in parallel though cp copies one file at a time.
+        cp copies pages/ first (inode order), each page hashed as it is
+        stored; manifest.json, copied last, then lists those digests without
+        hashing a page again (LiveEngine._digests)."""
         snap = h.snap
         if h.kind not in ("page", "manifest") or snap is None or self.store_blob is None \
                 or snap.released:
@@ -505,7 +519,8 @@ class LiveView(IncomingWrites):
             if j not in snap.storing:
                 snap.storing[j] = trio.Event()
                 self._store_queue.append((eng, snap, j))
-        while self._store_runners < min(STORE_AT_ONCE, len(self._store_queue)):
+        at_once = ENGINE_STORES_AT_ONCE if self.adopt_blobs is not None and eng.stores else STORE_AT_ONCE
+        while self._store_runners < min(at_once, len(self._store_queue)):
             self._store_runners += 1
             self.spawn(self._store_runner)
 
@@ -513,9 +528,45 @@ class LiveView(IncomingWrites):
         try:
             while self._store_queue:
                 eng, snap, ix = self._store_queue.popleft()
-                await self._store_page(eng, snap, ix, snap.storing[ix])
+                if self.adopt_blobs is not None and eng.stores:
+                    ixs = [ix]
+                    while self._store_queue and len(ixs) < ENGINE_STORE_BATCH \
+                            and self._store_queue[0][1] is snap:
+                        ixs.append(self._store_queue.popleft()[2])
+                    await self._engine_stores(eng, snap, ixs)
+                else:
+                    await self._store_page(eng, snap, ix, snap.storing[ix])
         finally:
             self._store_runners -= 1
+
+    async def _engine_stores(self, eng: EngineSessions, snap: Snapshot, ixs: list[int]) -> None:
+        """Pages *ixs* stored by the engine itself, straight into the store as its
+        page-out writes them (gathered, hashed and compressed on its threads, no
+        byte through staging or this process), then adopted; stored here from
+        staging instead where the engine cannot reach the store."""
+        assert self.adopt_blobs is not None
+        left = set(ixs)
+        try:
+            rows = await eng.store_pages(snap, [PageIndex(ix) for ix in ixs])
+            await self.adopt_blobs([row.digest for _, row in rows])
+            for j, row in rows:
+                snap.blobs[j] = row
+                self.reg.counts["pages_stored"] += 1
+                snap.storing[j].set()
+                left.discard(j)
+        except EngineRefused as e:
+            if not eng.stores:      # (it cannot reach the store: this process stores them)
+                for k in ixs:
+                    left.discard(k)
+                    await self._store_page(eng, snap, k, snap.storing[k])
+            else:
+                log.debug("engines/%s/%s: pages not stored ahead of their copy: %s", eng.name,
+                          snap.session, e)
+        except Exception as e:  # (the engine went, the store is full): the copies move the bytes
+            log.debug("engines/%s/%s: pages not stored ahead of their copy: %s", eng.name, snap.session, e)
+        finally:
+            for k in left:
+                snap.storing[k].set()
 
     async def _store_page(self, eng: EngineSessions, snap: Snapshot, ix: int, done: trio.Event) -> None:
         assert self.store_blob is not None
@@ -525,10 +576,16 @@ class LiveView(IncomingWrites):
             # pages read the same bytes for as long as it lives).  The pages
             # queued next are gathered with it, a batch a request to the engine.
             digest = snap.skeleton.pages[ix] if snap.manifest is not None and snap.skeleton else None
-            ahead = [PageIndex(j) for j in range(ix + 1, min(snap.n_pages, ix + eng.gather_batch()))
+            # The batch after is asked for meanwhile, so that it is in staging
+            # when its turn comes (else every store waits on each batch's gather).
+            b = eng.gather_batch()
+            ahead = [PageIndex(j) for j in range(ix + 1, min(snap.n_pages, ix + 2 * b))
                      if j in snap.storing and j not in snap.blobs]
+            eng.gather_soon(snap, [PageIndex(ix), *ahead[:b - 1]])
+            eng.gather_soon(snap, ahead[b - 1:])
             snap.blobs[ix] = await eng.with_page(
-                snap, PageIndex(ix), functools.partial(self.store_blob, digest=digest), ahead)
+                snap, PageIndex(ix), functools.partial(self.store_blob, digest=digest), ahead[:b - 1])
+            self.reg.counts["pages_stored"] += 1
         except Exception as e:  # (the engine went, the store is full): the copy moves the bytes, and says why
             log.debug("engines/%s/%s: page %d not stored ahead of its copy: %s", eng.name,
                       snap.session, ix, e)
