@@ -14,6 +14,10 @@ requests and a few workers serve them:
 - ``gather``: pinned blocks -> page bytes in staging slots (device ->
   staging -> shared memory), without the engine lock: the pinned blocks'
   slots below the fill never change, and slots past it are zeroed;
+- ``store``: pinned blocks -> blobs in the mount's store, written by the
+  bridge as its page-out writes them (for a copy out of ``engines/``: the
+  daemon adopts and names them); refused where this process cannot use
+  the store;
 - ``page_in``: a complete session handed over in a memfd, paged in through
   the bridge between two steps (all checks, nothing allocated on refusal);
 - ``save`` / ``load`` (``pffs fork`` out of and into ``engines/NAME``): a

@@ -22,6 +22,11 @@ Requests (D -> A):
   "n_pages"}`` (the manifest with placeholder digests).
 - ``gather {snap, pages: [[page_ix, slot], ...]}``: write those pages of a
   snapshot into staging slots (slot k = bytes k*page_bytes ..).
+- ``store {snap, pages: [page_ix, ...]}`` (engines registered with
+  ``"stores": true``): write those pages of a snapshot into the mount's
+  local store as blobs, as a page-out does -> ``{"rows": [[page_ix, digest,
+  raw_size, stored_size, codec], ...]}``; EOPNOTSUPP where the engine
+  cannot use the store (the daemon then gathers and stores them itself).
 - ``release {snap}``: unpin a snapshot (no answer).
 - ``page_in {name, manifest, sizes}`` + fd: a memfd holding page i at
   i*page_bytes (``sizes[i]`` its file size); page it in as session *name*
