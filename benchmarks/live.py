@@ -225,6 +225,18 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
             def cp_in():
                 subprocess.run(["cp", "-r", str(mnt.path / "direct-0"),
                                 str(mnt.path / "engines" / "loader" / f"c{next(g)}")], check=True)
+            def clean():
+                # What a round wrote goes, and gc takes its blobs: the store (on
+                # /dev/shm, say) does not grow round after round, so that no
+                # round pays more than the one before for memory the machine
+                # never touched yet (a virtual machine's first touch of a page
+                # is slow; see docs/performance.md).
+                for p in mnt.path.iterdir():
+                    if p.name.startswith(("fork-", "snap-")) or (p.name.startswith("direct-")
+                                                                  and p.name != "direct-0"):
+                        shutil.rmtree(p)
+                subprocess.run([sys.executable, "-m", "pffs.cli", "gc", "--store", str(mnt.store),
+                                "--grace", "0"], check=True, capture_output=True)
             # Alternating rounds (this host's speed drifts between runs): each
             # pffs fork beside the bridge's own page-out or page-in, the same bytes.
             times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "co", "pi", "fi", "ci")}
@@ -238,6 +250,7 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
                 times["pi"].append(timed(in_mount))
                 times["fi"].append(timed(fork_in))
                 times["ci"].append(timed(cp_in))
+                clean()
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append(("alternating: bridge page-out -> mount (median)", size, med["po"]))
             rows.append(("live: pffs fork out of engines/ (median; the engine pages out)", size, med["fo"]))
