@@ -407,6 +407,49 @@ def test_snapshots_stay_consistent_while_the_engine_decodes(mnt, engines):
     assert got["logits"]["r"] == [logits[p] for p in range(n, n + 8)]
 
 
+def test_a_reader_keeps_one_snapshot_from_its_listing_to_its_manifest(mnt):
+    """A process that lists pages/ gets a snapshot of its own, taken then (not
+    the one another reader is using); its pages and its manifest.json stay
+    that snapshot's for as long as it keeps reading, past SNAPSHOT_REUSE
+    (cp -r copies pages/ before manifest.json); opening manifest.json again
+    gives the session as it is now."""
+    from pffs.live.sessions import SNAPSHOT_REUSE
+
+    engine = ReferenceEngine(seed=SEED, num_blocks=64)
+    adapter = ReferenceAdapter(engine)
+    with Agent(adapter, mnt.path, "e1", staging_bytes=1 << 20):
+        prompt = [(3 * i + 2) % 512 for i in range(40)]
+        engine.add_request("r", prompt)
+        adapter.step()      # (the prompt's KV, then two more tokens' below)
+        live = mnt / "engines/e1/r"
+
+        def tokens(m: mf.Manifest) -> int:
+            return len(m.logical_seqs[0].token_ids)
+        n_pages = len(os.listdir(live / "pages"))      # this process's snapshot
+        page0 = (live / "pages" / mf.page_name(0)).read_bytes()
+        adapter.step()
+        adapter.step()
+        # Reading on for longer than SNAPSHOT_REUSE keeps the same snapshot.
+        end = time.monotonic() + SNAPSHOT_REUSE * 1.5
+        while time.monotonic() < end:
+            assert (live / "pages" / mf.page_name(0)).read_bytes() == page0
+        mine = mf.parse((live / "manifest.json").read_bytes())
+        assert tokens(mine) == len(prompt), tokens(mine)
+        assert len(mine.pages) == n_pages and digest(page0) == mine.pages[0]
+        # Another process listing pages/ and then reading manifest.json (as cp -r
+        # does) gets the session as it is now, though this one's is in use.
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            import os, sys
+            os.listdir({str(live / "pages")!r})
+            sys.stdout.buffer.write(open({str(live / "manifest.json")!r}, "rb").read())""")],
+                           capture_output=True, check=True, timeout=60)
+        theirs = mf.parse(r.stdout)
+        assert tokens(theirs) == len(prompt) + 2, tokens(theirs)
+        # ... and so does this process's next manifest.json.
+        assert tokens(mf.parse((live / "manifest.json").read_bytes())) == tokens(theirs)
+        engine.remove("r")
+
+
 def test_a_snapshot_being_read_outlives_its_request(mnt):
     engine = ReferenceEngine(seed=SEED, num_blocks=16)
     adapter = ReferenceAdapter(engine)
