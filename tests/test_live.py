@@ -323,6 +323,43 @@ def test_pages_copied_out_are_stored_by_the_daemon_where_the_engine_cannot_reach
     assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
 
 
+@pytest.mark.skipif(not COPY_RANGE, reason="pyfuse3 without third_party/pyfuse3's patch")
+def test_an_engine_answering_a_store_with_rows_it_cannot_have_is_not_believed(mnt, tmp_path):
+    """Rows an engine answers a ``store`` with that cannot be its pages' (here
+    a digest that is no sha256) are refused with one log line: those pages'
+    copies move their bytes, the daemon stores the pages itself from then
+    on, and the copy is still the engine's own page-out."""
+    class Lying(Agent):
+        def _store(self, msg, fds):
+            reply = super()._store(msg, fds)
+            reply["rows"][0][1] = "sha256:" + "z" * 64
+            return reply
+
+    engine = ReferenceEngine(seed=SEED, num_blocks=64)
+    adapter = ReferenceAdapter(engine)
+    mnt.allow(r"answered a store with rows it cannot have")
+    with Lying(adapter, mnt.path, "e1", staging_bytes=1 << 20):
+        engine.add_request("r", [(3 * i + 2) % 512 for i in range(200)])    # 13 pages: two stores
+        adapter.step()
+        before, copies = stats(mnt)["live"], stats(mnt)["copies"]
+        run("cp", "-r", mnt / "engines/e1/r", mnt / "snap")
+        work = {k: v - before[k] for k, v in stats(mnt)["live"].items()}
+        copied = {k: v - copies[k] for k, v in stats(mnt)["copies"].items()}
+        n_pages = len(listing(mnt / "snap/pages"))
+        assert n_pages == 13
+        assert "answered a store with rows it cannot have" in mnt.log_text()
+        # No row of the engine's was taken: the pages of the stores it answered
+        # were copied byte by byte, any after that stored by the daemon (both
+        # stores may be answered before either reply is read).
+        pb = adapter.bridge.pool.page_bytes
+        assert work["pages_stored_by_engine"] == 0 and work["pages_stored"] in (0, n_pages - 8), work
+        by_bytes = copied["copied_bytes"] - os.path.getsize(mnt / "snap/manifest.json")
+        assert by_bytes + work["pages_stored"] * pb == n_pages * pb, (copied, work)
+        adapter.bridge.page_out(adapter.sequences(), tmp_path / "direct")
+        assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
+        engine.remove("r")
+
+
 def test_pffs_fork_out_of_and_into_an_engine_has_the_engine_move_the_bytes(mnt, engines):
     """``pffs fork engines/E/REQ SNAP`` has E page REQ out itself (beside the FUSE
     loop: no page is read through the mount), giving the session ``cp -r`` gives;
