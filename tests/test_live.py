@@ -177,12 +177,13 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
     # cp -r of the live request is byte for byte the bridge's own page-out; with
     # copy_file_range (pyfuse3 built with third_party/pyfuse3's patch) its pages'
     # bytes go from engines/ to the store in the daemon, never through FUSE.
-    copies, work = stats(mnt)["copies"], stats(mnt)["live"]
-    before = requests(mnt)
+    figures = stats(mnt)
+    copies, work, before = figures["copies"], figures["live"], figures["requests"]
     run("cp", "-r", live, mnt / "snap")
-    moved = {k: v - before.get(k, 0) for k, v in requests(mnt).items()}
+    figures = stats(mnt)
+    moved = {k: v - before.get(k, 0) for k, v in figures["requests"].items()}
     n_pages = len(listing(mnt / "snap/pages"))
-    work = {k: v - work[k] for k, v in stats(mnt)["live"].items()}
+    work = {k: v - work[k] for k, v in figures["live"].items()}
     if COPY_RANGE:
         assert moved.get("copy_file_range", 0) >= n_pages + 1
         assert moved.get("write", 0) == 0
@@ -196,7 +197,7 @@ def test_live_snapshot_equals_page_out_and_continues_in_another_engine(mnt, engi
         assert moved.get("lookup", 0) <= 2 * files + 3 and moved.get("getattr", 0) <= 6 * files, moved
         assert moved.get("flush", 0) <= files, moved
         # Each page was stored as a blob (ahead of its copy) and the copy named it.
-        copied = {k: v - copies[k] for k, v in stats(mnt)["copies"].items()}
+        copied = {k: v - copies[k] for k, v in figures["copies"].items()}
         assert copied == {"shared_bytes": sum(os.path.getsize(p) for p in (mnt / "snap/pages").iterdir()),
                           "copied_bytes": os.path.getsize(mnt / "snap/manifest.json")}
         # One snapshot, each page stored by the engine itself (none gathered
@@ -341,10 +342,11 @@ def test_an_engine_answering_a_store_with_rows_it_cannot_have_is_not_believed(mn
     with Lying(adapter, mnt.path, "e1", staging_bytes=1 << 20):
         engine.add_request("r", [(3 * i + 2) % 512 for i in range(200)])    # 13 pages: two stores
         adapter.step()
-        before, copies = stats(mnt)["live"], stats(mnt)["copies"]
+        figures = stats(mnt)
         run("cp", "-r", mnt / "engines/e1/r", mnt / "snap")
-        work = {k: v - before[k] for k, v in stats(mnt)["live"].items()}
-        copied = {k: v - copies[k] for k, v in stats(mnt)["copies"].items()}
+        after = stats(mnt)
+        work = {k: v - figures["live"][k] for k, v in after["live"].items()}
+        copied = {k: v - figures["copies"][k] for k, v in after["copies"].items()}
         n_pages = len(listing(mnt / "snap/pages"))
         assert n_pages == 13
         assert "answered a store with rows it cannot have" in mnt.log_text()
