@@ -233,6 +233,7 @@ class Agent:
         self._chan: protocol.Channel | None = None
         self._reader: threading.Thread | None = None
         self._pool_ex: ThreadPoolExecutor | None = None
+        self._store_ex: ThreadPoolExecutor | None = None    # (the store requests' pages, shared)
         self.attached = threading.Event()
         self.detached = threading.Event()
         self._closing = False
@@ -299,6 +300,7 @@ class Agent:
             raise
         self._chan = chan
         self._pool_ex = ex = ThreadPoolExecutor(self._workers, thread_name_prefix=f"pffs-agent-{self.name}")
+        self._store_ex = ThreadPoolExecutor(self.bridge.io_workers, thread_name_prefix=f"pffs-store-{self.name}")
         self.attached.set()
         self._reader = threading.Thread(target=self._serve, args=(chan, ex), name=f"pffs-agent-{self.name}",
                                         daemon=True)
@@ -356,6 +358,8 @@ class Agent:
 
     def _shutdown(self, chan: protocol.Channel, ex: ThreadPoolExecutor) -> None:
         ex.shutdown(wait=True)
+        if self._store_ex is not None:
+            self._store_ex.shutdown(wait=True)
         self.warm.stop()
         with self.adapter.lock:
             with self._snap_lock:
@@ -529,7 +533,10 @@ class Agent:
         if snap.event is not None:
             snap.event.synchronize()    # (what the engine queued before the snapshot wrote its blocks)
         sink = BlobSink(access)
-        self.bridge.write_blocks([snap.blocks[ix] for ix in ixs], [snap.used[ix] for ix in ixs], sink)
+        ex = self._store_ex
+        if ex is None:
+            raise protocol.Refused(errno.ESHUTDOWN, "the agent is detaching")
+        self.bridge.write_blocks_on(ex, [snap.blocks[ix] for ix in ixs], [snap.used[ix] for ix in ixs], sink)
         return {"rows": [[ix, *sink.rows[i]] for i, ix in enumerate(ixs)]}
 
     def _save(self, msg, fds) -> dict[str, Any]:

@@ -509,6 +509,34 @@ def test_sink_without_concurrency_gets_pages_in_order_from_one_thread():
     assert [sink.digests[i] for i in range(40)] == m.pages
 
 
+def test_overlapping_writes_of_pinned_blocks_on_shared_threads_each_get_their_own_pages():
+    """write_blocks_on (a live agent answers several store requests at once,
+    their pages on threads they share): calls that overlap each get their own
+    blocks' pages, unused slots zeroed, as write_blocks gives them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = random_pool("bf16", "flashinfer NHD", num_blocks=40)
+    bridge = Bridge(pool, staging_bytes=6 * pool.page_bytes)
+    P = pool.block_size
+    calls = [(list(range(k, 40, 4)), [P - (i + k) % 3 for i in range(10)]) for k in range(4)]
+    want = []
+    for blocks, used in calls:
+        sink = MemorySession()
+        bridge.write_blocks(blocks, used, sink)
+        want.append(sink._staged)
+    assert len({d for w in want for _, d in w.values()}) == 40
+
+    def on_shared(call):
+        sink = MemorySession()
+        digests = bridge.write_blocks_on(ex, *call, sink)
+        return sink._staged, digests
+    for _ in range(5):
+        with ThreadPoolExecutor(2) as ex, ThreadPoolExecutor(4) as callers:
+            got = list(callers.map(on_shared, calls))
+        assert [g for g, _ in got] == want
+        assert [ds for _, ds in got] == [[w[i][1] for i in range(10)] for w in want]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layers_of_one_allocation_copy_a_block_at_once_and_the_same_bytes(layout):
     """allocate() gives every layer one allocation: gather and scatter copy a

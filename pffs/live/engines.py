@@ -366,6 +366,7 @@ class LiveEngine(EngineSessions):
         ``stores`` False from then on) where the engine cannot reach the store."""
         if snap.released:
             raise EngineGone(f"snapshot of {snap.session} is gone")
+        self.registry.counts["store_requests"] += 1
         try:
             reply = await self.request("store", snap=snap.id, pages=ixs)
         except EngineRefused as e:

@@ -53,9 +53,9 @@ class LiveRegistry(Generic[Engine, Entry]):
         #: work done for live snapshots, in stats.json's ``live``: snapshots
         #: taken, pages gathered from engines, pages hashed for a manifest.json,
         #: pages stored as blobs for copies out of engines/ (and of those, the
-        #: pages the engine stored itself)
+        #: pages the engine stored itself, in how many ``store`` requests)
         self.counts = {"snapshots": 0, "pages_gathered": 0, "pages_hashed": 0, "pages_stored": 0,
-                       "pages_stored_by_engine": 0}
+                       "pages_stored_by_engine": 0, "store_requests": 0}
         self.hash_limiter = trio.CapacityLimiter(2)
         #: the socket server's nursery while it serves (pffs.live.server)
         self.nursery: trio.Nursery | None = None
