@@ -125,10 +125,14 @@ class Floor(pyfuse3.Operations):
 def main() -> int:
     mountpoint, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     pyfuse3.init(Floor(n, size), mountpoint, set(pyfuse3.default_options) | {"fsname=pffs-floor"})
+    if hasattr(pyfuse3, "set_spin"):    # (as pffs sets it: pffs.fs.operations.spin_us)
+        pyfuse3.set_spin(int(os.environ.get("PFFS_SPIN_US", "30")) * 1000)
     try:
         trio.run(pyfuse3.main)
     finally:
         pyfuse3.close()
+        if hasattr(pyfuse3, "read_counts"):
+            print(f"pffs-floor: requests read {pyfuse3.read_counts()}", file=sys.stderr)
     return 0
 
 

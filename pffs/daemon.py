@@ -213,7 +213,7 @@ class Daemon:
         from .fs import direct
         from .fs.content import ContentStore
         from .fs.db import Database
-        from .fs.operations import build
+        from .fs.operations import SPIN, build, spin_us
         from .reserve import SpaceReserve, free_bytes
 
         st = self.store
@@ -284,6 +284,8 @@ class Daemon:
         if self.opts.allow_other:
             fuse_opts.add("allow_other")
         pyfuse3.init(self.ops.ops, str(self.mountpoint), fuse_opts)
+        if SPIN:
+            pyfuse3.set_spin(spin_us() * 1000)
         log.info("mounted %s on %s (pid %d)", st.root, self.mountpoint, os.getpid())
 
     def _widen_readahead(self) -> None:

@@ -51,6 +51,23 @@ log = logging.getLogger("pffs.fs")
 # pyfuse3 built with third_party/pyfuse3's patch answers copy_file_range
 # (PFFS_STOCK_PYFUSE3=1: as if it were not).
 COPY_RANGE = hasattr(pyfuse3.Operations, "copy_file_range") and not os.environ.get("PFFS_STOCK_PYFUSE3")
+# pyfuse3 built with the patch's fourth part: after answering a request, read
+# for the next one for SPIN_US microseconds before waiting (PFFS_SPIN_US; 0: off).
+SPIN = hasattr(pyfuse3, "set_spin") and not os.environ.get("PFFS_STOCK_PYFUSE3")
+SPIN_US = 30
+
+
+def spin_us() -> int:
+    """Microseconds pyfuse3 reads for a client's next request before it waits:
+    a client sending requests one after another (cp) sends its next one
+    10-20 us after its reply, sooner than the loop can sleep and be woken
+    (docs/performance.md)."""
+    raw = os.environ.get("PFFS_SPIN_US", "")
+    try:
+        return max(0, int(raw)) if raw else SPIN_US
+    except ValueError:
+        log.warning("PFFS_SPIN_US=%r is not a number of microseconds: using %d", raw, SPIN_US)
+        return SPIN_US
 # PFFS_TIMING=1: count and time every handler; the daemon logs the totals at unmount.
 TIMING: dict[str, tuple[int, float]] | None = {} if os.environ.get("PFFS_TIMING") else None
 
@@ -333,6 +350,10 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
         log.info("pyfuse3 %s without third_party/pyfuse3's patch: copies within the mount move "
                  "their bytes (no copy_file_range), and a reader's close costs a FLUSH request",
                  getattr(pyfuse3, "__version__", "?"))
+    elif not SPIN:
+        log.info("pyfuse3 %s built with an older third_party/pyfuse3 patch (PFFS_PATCH %s): "
+                 "each request of a client waits for the daemon to wake up",
+                 getattr(pyfuse3, "__version__", "?"), getattr(pyfuse3, "PFFS_PATCH", "?"))
     inodes = InodeTable(db)
     reader = BlobReader(content, BlobCache(cache_size), inodes.path_of)
     prefetch = Prefetch(db, reader)

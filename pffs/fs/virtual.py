@@ -85,6 +85,8 @@ class PffsTree(Tree):
                                 "prefetched": self.reader.prefetched_blobs,
                                 "prefetch_jobs": self.reader.prefetch_jobs}
             figures["requests"] = dict(sorted(self.requests.items()))
+            if hasattr(pyfuse3, "read_counts"):
+                figures["request_reads"] = pyfuse3.read_counts()
             figures["copies"] = dict(self.copies)
             if self.live is not None:
                 figures["live"] = dict(self.live)

@@ -70,9 +70,8 @@ ENGINE_DIRS_TIMEOUT = 300.0
 # and how many are read and stored at once (each holds a page in memory).
 COPY_AHEAD = 16
 STORE_AT_ONCE = 4
-# Where the engine stores the pages itself: pages a request (whole batches of
-# them are queued), and requests at once (the engine's threads take the pages
-# of both, so that they never wait between one request and the next).
+# Where the engine stores the pages itself: pages a request (queued in whole batches), and
+# requests at once (the engine's threads take both's pages: none waits between the two).
 ENGINE_STORE_BATCH = 8
 ENGINE_STORES_AT_ONCE = 2
 ROOT_COOKIE = 1 << 62               # readdir cookie of engines/ in the root, past every row id
@@ -502,8 +501,7 @@ class LiveView(IncomingWrites):
                 ev = snap.storing[h.ix] = trio.Event()
                 await self._store_page(eng, snap, h.ix, ev)
         else:
-            # Whole batches where the engine stores them: a page at a time as cp
-            # moved on, each request held one page, on one of the engine's threads.
+            # Whole batches where the engine stores them (else a request a page, once cp moved on)
             b = ENGINE_STORE_BATCH if self.adopt_blobs is not None and eng.stores else 1
             self._store_ahead(eng, snap, range(h.ix, min(snap.n_pages, -(-(h.ix + COPY_AHEAD) // b) * b)))
         await snap.storing[h.ix].wait()
