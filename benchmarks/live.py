@@ -194,6 +194,20 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
             assert got >= size
         rows.append(("live: snapshot read (manifest + pages)", size, _best(snapshot_read, args.repeat)))
 
+        def clean():
+            # What the last measurement wrote goes, and gc takes its blobs, before
+            # each one that writes the store: the store (on /dev/shm, say) does
+            # not grow, and each writes into memory the machine has touched
+            # before, as the others do (a virtual machine's first touch of a
+            # page is slow; see docs/performance.md: the third of three
+            # writers in a row paid for it, the first did not).
+            for p in mnt.path.iterdir():
+                if p.name.startswith(("fork-", "snap-")) or (p.name.startswith("direct-")
+                                                              and p.name != "direct-0"):
+                    shutil.rmtree(p)
+            subprocess.run([sys.executable, "-m", "pffs.cli", "gc", "--store", str(mnt.store),
+                            "--grace", "0"], check=True, capture_output=True)
+
         j = iter(range(1000))
 
         def cp_live():
@@ -203,6 +217,7 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
             # first (2 s after its last use), as a later copy would find it
             # still in use and copy it again, its pages stored already.
             wait_for(lambda: agent.snapshots_pinned == 0, what="the last snapshot released")
+            clean()
             perturb(pool)
         rows.append(("live: cp -r into the store", size, _best(cp_live, args.repeat, fresh)))
 
@@ -225,24 +240,14 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
             def cp_in():
                 subprocess.run(["cp", "-r", str(mnt.path / "direct-0"),
                                 str(mnt.path / "engines" / "loader" / f"c{next(g)}")], check=True)
-            def clean():
-                # What a round wrote goes, and gc takes its blobs: the store (on
-                # /dev/shm, say) does not grow round after round, so that no
-                # round pays more than the one before for memory the machine
-                # never touched yet (a virtual machine's first touch of a page
-                # is slow; see docs/performance.md).
-                for p in mnt.path.iterdir():
-                    if p.name.startswith(("fork-", "snap-")) or (p.name.startswith("direct-")
-                                                                  and p.name != "direct-0"):
-                        shutil.rmtree(p)
-                subprocess.run([sys.executable, "-m", "pffs.cli", "gc", "--store", str(mnt.store),
-                                "--grace", "0"], check=True, capture_output=True)
             # Alternating rounds (this host's speed drifts between runs): each
             # pffs fork beside the bridge's own page-out or page-in, the same bytes.
             times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "co", "pi", "fi", "ci")}
             for _ in range(args.repeat):
+                clean()
                 perturb(pool)
                 times["po"].append(timed(out_mount))
+                clean()
                 perturb(pool)
                 times["fo"].append(timed(fork_out))
                 fresh()
@@ -250,7 +255,6 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
                 times["pi"].append(timed(in_mount))
                 times["fi"].append(timed(fork_in))
                 times["ci"].append(timed(cp_in))
-                clean()
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append(("alternating: bridge page-out -> mount (median)", size, med["po"]))
             rows.append(("live: pffs fork out of engines/ (median; the engine pages out)", size, med["fo"]))
