@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -119,6 +120,19 @@ class Invalidator:
     def inode(self, ino: int, attr_only: bool) -> None:
         """Have the kernel forget what it cached of *ino* (its attributes only, or its pages too)."""
         self._queue(pyfuse3.invalidate_inode, ino, attr_only)
+
+    async def attrs_now(self, inos: Sequence[int]) -> None:
+        """Have the kernel forget the attributes of *inos*, and return once it
+        has (from a worker thread, as the queued ones: an attributes-only
+        invalidation takes no lock a request holds)."""
+        def forget() -> None:
+            for ino in inos:
+                try:
+                    pyfuse3.invalidate_inode(ino, True)
+                except OSError as e:    # (ENOENT: an inode the kernel does not hold)
+                    if e.errno not in (errno.ENOENT, errno.ENOTCONN):
+                        log.debug("invalidate_inode of inode %d: %s", ino, e)
+        await trio.to_thread.run_sync(forget)
 
     def entry(self, parent: int, name: bytes) -> None:
         """Have the kernel forget the name *name* in folder *parent*."""

@@ -67,6 +67,10 @@ class LiveRegistry(Generic[Engine, Entry]):
         #: folder) when a session being copied in goes: loaded, removed or
         #: failed (pffs.live.view: what the kernel cached of its folders goes)
         self.incoming_gone: Callable[[int, int, str, list[bytes]], None] = lambda *a: None
+        #: awaited with (session, n) when the kernel may keep the attributes of
+        #: pages 0..n-1 of a live session no longer (pffs.live.view: it
+        #: forgets them; see pffs.live.sessions.EngineSessions.keep_page_attrs)
+        self.forget_pages: Callable[[Entry, int], Awaitable[None]] | None = None
 
     def new_key(self, obj: Engine | Entry) -> int:
         key = self._next_key

@@ -67,6 +67,10 @@ class SessionEntry:
         self.incoming: IncomingSession | None = None
         self.lock = trio.Lock()                  # one snapshot taken at a time
         self.seen_ns = time.time_ns()            # (its folder's time: LiveView._session_attr)
+        # Until when the kernel may keep the attributes of pages 0..kept_pages-1 (keep_page_attrs)
+        self.kept_until = 0.0
+        self.kept_pages = 0
+        self.forgetting: trio.Event | None = None
 
     def busy(self) -> bool:
         return bool(self.incoming or self.latest or any(not s.released for s in self.bound.values()))
@@ -178,9 +182,39 @@ class EngineSessions:
                 s = self._usable(entry, pid)    # taken by another reader while we waited
             if s is None:
                 s = await self._take(entry)
+                await self._forget_kept(entry)
             if fresh:
                 s.fresh_for.add((pid, fresh))
             return self._bind(entry, pid, s)
+
+    def keep_page_attrs(self, entry: SessionEntry, snap: Snapshot, ttl: float) -> bool:
+        """Whether the kernel may keep the attributes of *snap*'s pages for *ttl*
+        seconds (noted if so): while it is the only snapshot of its session, every
+        reader sees them (its time; a page's size is the engine's).  A new
+        snapshot of the session has the kernel forget them before the request
+        that took it is answered, and a release soon after (_forget_kept), so
+        no reader sees another's.  (cp -r out of engines/ asked a GETATTR of
+        each page three times.)"""
+        if snap.released or self.registry.forget_pages is None or any(
+                s is not snap and s.session == entry.name for s in self.snapshots.values()):
+            return False
+        entry.kept_until = time.monotonic() + ttl
+        entry.kept_pages = max(entry.kept_pages, snap.n_pages)
+        return True
+
+    async def _forget_kept(self, entry: SessionEntry) -> None:
+        if entry.kept_pages and self.registry.forget_pages is not None:
+            n, entry.kept_pages = entry.kept_pages, 0
+            if time.monotonic() < entry.kept_until:
+                ev = entry.forgetting = trio.Event()
+                try:
+                    await self.registry.forget_pages(entry, n)
+                finally:
+                    ev.set()
+                    if entry.forgetting is ev:
+                        entry.forgetting = None
+        elif entry.forgetting is not None:     # (a release's, under way)
+            await entry.forgetting.wait()
 
     def _usable(self, entry: SessionEntry, pid: int) -> Snapshot | None:
         """The reader's own snapshot, else the session's latest while in use, else None."""
@@ -262,6 +296,8 @@ class EngineSessions:
                 del entry.bound[pid]
             if entry.latest is snap:
                 entry.latest = None
+            if entry.kept_pages:
+                self.registry.spawn(self._forget_kept, entry)
         if self.alive:
             self._spawn_release(snap.id)
 

@@ -101,6 +101,7 @@ class LiveView(IncomingWrites):
         self.invalidate: Invalidator | None = None
         registry.changed = self._engine_changed
         registry.incoming_gone = self._incoming_gone
+        registry.forget_pages = self._forget_pages
 
     # -- numbering -----------------------------------------------------------
 
@@ -174,11 +175,9 @@ class LiveView(IncomingWrites):
                                        mtime_ns=eng.attached_ns))
 
     def _cached(self, a: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
-        """``engines/`` and ``engines/NAME`` are the same for every process and
-        change only when an engine attaches or detaches, which invalidates them
-        (_engine_changed): the kernel may keep them, so that a path through
-        them costs no LOOKUP and GETATTR of each (a `cp -r` out of engines/
-        asked both of both twice a file)."""
+        """``engines/`` and ``engines/NAME``, the same for every process until an
+        engine attaches or detaches (_engine_changed invalidates them), are kept
+        by the kernel: a path through them costs no LOOKUP and GETATTR of each."""
         if self.invalidate is not None:
             a.entry_timeout = a.attr_timeout = ENGINE_DIRS_TIMEOUT
         return a
@@ -217,12 +216,19 @@ class LiveView(IncomingWrites):
         a = self._attr(base + PAGE_OFFSET + ix, stat.S_IFREG | 0o644, eng.page_bytes, uid, gid,
                        mtime_ns=t)
         if self.invalidate is not None:
-            # The name only (a page's number is its inode's): its attributes,
-            # and whether it is in the reader's snapshot, are asked each time
-            # (getattr, open), so a name kept after the request changed costs
-            # nothing wrong.  cp -r out of engines/ looked up each page twice.
+            # The name (a page's number is its inode's; getattr and open ask
+            # whether it is in the reader's snapshot: a name kept after the
+            # request changed costs nothing wrong), and its attributes while
+            # every reader sees the same (keep_page_attrs).
             a.entry_timeout = LIST_TTL
+            if snap is not None and eng.keep_page_attrs(entry, snap, LIST_TTL):
+                a.attr_timeout = LIST_TTL
         return a
+
+    async def _forget_pages(self, entry: SessionEntry, n: int) -> None:
+        if self.invalidate is not None:
+            base = self.base(entry.key) + PAGE_OFFSET
+            await self.invalidate.attrs_now(range(base, base + n))
 
     def _node_attr(self, node: Node) -> pyfuse3.EntryAttributes:
         a = self._attr(node.ino, node.mode, node.size, node.uid, node.gid,
@@ -480,13 +486,10 @@ class LiveView(IncomingWrites):
     async def page_blob(self, h: Handle) -> tuple[str, int, BlobRow] | None:
         """copy_file_range out of a live session (cp -r of it): for a page, the
         page stored as a blob of the mount's store, for the copy to name (None
-        where that failed: then the bytes are copied).  The pages ahead are
-        stored meanwhile on the commit threads (COPY_AHEAD of them; every page
-        of the snapshot once its manifest.json is copied), so the session's
-        pages are stored in parallel though cp copies one file at a time.
-        cp copies pages/ first (inode order), each page hashed as it is
-        stored; manifest.json, copied last, then lists those digests without
-        hashing a page again (LiveEngine._digests)."""
+        where that failed: the bytes are copied).  COPY_AHEAD pages ahead are
+        stored meanwhile (every page once its manifest.json is copied), in
+        parallel though cp copies one file at a time.  cp copies pages/ first
+        (inode order): manifest.json, copied last, lists their digests."""
         snap = h.snap
         if h.kind not in ("page", "manifest") or snap is None or self.store_blob is None \
                 or snap.released:
@@ -509,12 +512,9 @@ class LiveView(IncomingWrites):
         return None if row is None else (row.digest, row.raw_size, row)
 
     def _store_ahead(self, eng: EngineSessions, snap: Snapshot, ixs: range) -> None:
-        """Queue pages *ixs* to be stored, in order: STORE_AT_ONCE tasks take
-        them first come first served, so the page a copy asks for next is
-        among the first stored.  (A task a page, each waiting its turn at a
-        limiter, stored them in whatever order trio woke the tasks: from the
-        last page back, so that cp waited on page 0 until nearly all were
-        stored.)"""
+        """Queue pages *ixs* to be stored, in order: tasks take them first come
+        first served, so the page a copy asks for next is among the first
+        stored (a task a page stored them from the last page back)."""
         assert self.spawn is not None
         for j in ixs:
             if j not in snap.storing:
