@@ -60,7 +60,7 @@ SPIN_US = 30
 def spin_us() -> int:
     """Microseconds pyfuse3 reads for a client's next request before it waits:
     a client sending requests one after another (cp) sends its next one
-    10-20 us after its reply, sooner than the loop can sleep and be woken
+    10-20 us after its reply, sooner than a wait in trio's scheduler takes
     (docs/performance.md)."""
     raw = os.environ.get("PFFS_SPIN_US", "")
     try:
@@ -68,6 +68,8 @@ def spin_us() -> int:
     except ValueError:
         log.warning("PFFS_SPIN_US=%r is not a number of microseconds: using %d", raw, SPIN_US)
         return SPIN_US
+
+
 # PFFS_TIMING=1: count and time every handler; the daemon logs the totals at unmount.
 TIMING: dict[str, tuple[int, float]] | None = {} if os.environ.get("PFFS_TIMING") else None
 
@@ -352,7 +354,7 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
                  getattr(pyfuse3, "__version__", "?"))
     elif not SPIN:
         log.info("pyfuse3 %s built with an older third_party/pyfuse3 patch (PFFS_PATCH %s): "
-                 "each request of a client waits for the daemon to wake up",
+                 "a request sent just after a reply is waited for in trio's scheduler",
                  getattr(pyfuse3, "__version__", "?"), getattr(pyfuse3, "PFFS_PATCH", "?"))
     inodes = InodeTable(db)
     reader = BlobReader(content, BlobCache(cache_size), inodes.path_of)
