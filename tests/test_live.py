@@ -540,6 +540,28 @@ def test_the_kernel_keeps_a_page_s_attributes_only_while_every_reader_sees_them(
         engine.remove("r")
 
 
+def test_a_copy_right_after_another_is_the_session_s_only_snapshot(mnt):
+    """A cp -r of a live request right after another: the first copy's
+    snapshot, which no reader can use any more (its process ended, nothing
+    open), goes when the second takes its own, instead of a few seconds
+    later; so the second's is the session's only one, and the kernel keeps
+    its pages' attributes as it did the first's (the same GETATTRs)."""
+    engine = ReferenceEngine(seed=SEED, num_blocks=64)
+    adapter = ReferenceAdapter(engine)
+    with Agent(adapter, mnt.path, "e1", staging_bytes=1 << 20):
+        engine.add_request("r", [(3 * i + 2) % 512 for i in range(200)])    # 13 pages
+        adapter.step()
+        asked = []
+        for name in ("snap1", "snap2"):
+            before = requests(mnt).get("getattr", 0)
+            run("cp", "-r", mnt / "engines/e1/r", mnt / name)
+            asked.append(requests(mnt).get("getattr", 0) - before)
+        files = len(listing(mnt / "snap2/pages")) + 1
+        assert asked[1] <= 2 * files + 3 and asked[1] <= asked[0] + 2, asked
+        assert tree_digest(mnt / "snap1") == tree_digest(mnt / "snap2")
+        engine.remove("r")
+
+
 def test_a_snapshot_being_read_outlives_its_request(mnt):
     engine = ReferenceEngine(seed=SEED, num_blocks=16)
     adapter = ReferenceAdapter(engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -239,6 +240,12 @@ class EngineSessions:
         return s
 
     async def _take(self, entry: SessionEntry) -> Snapshot:
+        # The session's snapshots no reader can use any more (none open, every
+        # process bound to them gone: a cp -r that ended) go now, not once idle:
+        # else the new one would not be the session's only one (keep_page_attrs).
+        for old in [s for s in self.snapshots.values() if s.session == entry.name and not s.refs]:
+            if not any(b is old and os.path.exists(f"/proc/{pid}") for pid, b in entry.bound.items()):
+                self.release(old)
         if len(self.snapshots) >= MAX_SNAPSHOTS and not self._release_idlest():
             log.warning("engine %s: %d snapshots are being read; refusing another of %s",
                         self.name, len(self.snapshots), entry.name)
