@@ -102,6 +102,16 @@ class InodeTable:
         await self.db.write(fn)
 
 
+def _notify(notify, ino: int, arg) -> None:
+    """One kernel cache invalidation (in a worker thread); ENOENT (an inode
+    or name the kernel does not hold) and ENOTCONN (unmounted) are no news."""
+    try:
+        notify(ino, arg)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTCONN):
+            log.debug("%s of inode %d (%r): %s", notify.__name__, ino, arg, e)
+
+
 class Invalidator:
     """Kernel cache invalidations, sent from a worker thread, never from a handler."""
 
@@ -111,11 +121,7 @@ class Invalidator:
 
     async def run(self) -> None:
         async for notify, ino, arg in self._recv:
-            try:
-                await trio.to_thread.run_sync(notify, ino, arg)
-            except OSError as e:
-                if e.errno not in (errno.ENOENT, errno.ENOTCONN):
-                    log.debug("%s of inode %d (%r): %s", notify.__name__, ino, arg, e)
+            await trio.to_thread.run_sync(_notify, notify, ino, arg)
 
     def inode(self, ino: int, attr_only: bool) -> None:
         """Have the kernel forget what it cached of *ino* (its attributes only, or its pages too)."""
@@ -127,11 +133,7 @@ class Invalidator:
         invalidation takes no lock a request holds)."""
         def forget() -> None:
             for ino in inos:
-                try:
-                    pyfuse3.invalidate_inode(ino, True)
-                except OSError as e:    # (ENOENT: an inode the kernel does not hold)
-                    if e.errno not in (errno.ENOENT, errno.ENOTCONN):
-                        log.debug("invalidate_inode of inode %d: %s", ino, e)
+                _notify(pyfuse3.invalidate_inode, ino, True)
         await trio.to_thread.run_sync(forget)
 
     def entry(self, parent: int, name: bytes) -> None:
