@@ -605,7 +605,7 @@ class DirectSource:
 class PagesAhead(Protocol):
     """Pages decoded ahead of a load (engine_bridge.warm.WarmPages)."""
 
-    def take(self, digest: str, size: int) -> bytearray | None: ...
+    def take_into(self, digest: str, out: memoryview) -> int | None: ...
 
 
 class BlobSource:
@@ -643,10 +643,9 @@ class BlobSource:
         """As DirectSource's; a page decoded ahead is taken from *warm*."""
         d = Digest(self.pages[ix])
         if self.warm is not None:
-            data = self.warm.take(d, len(out))
-            if data is not None:
-                out[:] = data
-                return len(data), d
+            n = self.warm.take_into(d, out)
+            if n is not None:
+                return n, d
         try:
             frame, cached = _fetch_frame(self.blobs, self.bucket, d)
             n, checked = _decode_page(self.bucket, ix, d, frame, cached, out)

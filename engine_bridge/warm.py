@@ -15,6 +15,11 @@ taken from here is that blob's bytes whatever happened meanwhile: a page
 file copied again, or a session never loaded.  At most *limit* bytes are
 held; everything goes at the next load (taken or not) and after IDLE
 seconds without one.
+
+The buffers pages are decoded into are used again, from one load to the
+next, until that idle time gives them back: a fresh 2 MiB buffer costs its
+first touch of every memory page (on a virtual machine about as much as
+decoding into it), and a load of 128 pages held 128 of them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class WarmPages:
         self._lock = threading.Lock()
         self._pages: dict[str, bytearray] = {}
         self._held = 0
+        self._spare: list[bytearray] = []   # page buffers holding nothing, used again
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stores: dict[str, Any] = {}   # mount -> (blobs, bucket), or None: not readable here
@@ -56,8 +62,8 @@ class WarmPages:
         self._frozen = False   # a load is on: decode no more (its threads do)
         self._last = 0.0
         #: Pages asked for, decoded, taken by a load, and skipped (over the
-        #: limit, not named, damaged, not readable from here).
-        self.counts = {"asked": 0, "decoded": 0, "taken": 0, "skipped": 0}
+        #: limit, not named, damaged, not readable from here); page buffers made.
+        self.counts = {"asked": 0, "decoded": 0, "taken": 0, "skipped": 0, "buffers": 0}
 
     def want(self, mount: str, digests: list[str]) -> None:
         """Decode these blobs of *mount*'s store ahead (from the agent's reader thread)."""
@@ -73,17 +79,24 @@ class WarmPages:
         for d in digests:
             self._q.put((gen, mount, d))
 
-    def take(self, digest: str, size: int) -> bytearray | None:
-        """The decoded bytes of *digest* if held here and *size* long (then no longer held)."""
+    def take_into(self, digest: str, out: memoryview) -> int | None:
+        """Copy the decoded bytes of *digest* into *out* if held here and as
+        long as *out* (then no longer held); their length, else None."""
         with self._lock:
             data = self._pages.pop(digest, None)
             if data is None:
                 return None
             self._held -= len(data)
-            if len(data) != size:
+        try:
+            if len(data) != len(out):
                 return None
+            out[:] = data
+        finally:
+            with self._lock:
+                self._spare.append(data)
+        with self._lock:
             self.counts["taken"] += 1
-            return data
+        return len(data)
 
     def held(self) -> int:
         with self._lock:
@@ -100,11 +113,14 @@ class WarmPages:
         with self._lock:
             self._gen += 1
             self._frozen = False
+            self._spare.extend(self._pages.values())
             self._pages.clear()
             self._held = 0
 
     def stop(self) -> None:
         self.clear()
+        with self._lock:
+            self._spare.clear()
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(10)
@@ -116,12 +132,14 @@ class WarmPages:
                 job = self._q.get(timeout=self.idle)
             except queue.Empty:
                 with self._lock:
-                    if self._pages and time.monotonic() - self._last >= self.idle:
-                        log.info("dropping %d pages decoded ahead of a load that did not come",
-                                 len(self._pages))
+                    if time.monotonic() - self._last >= self.idle:
+                        if self._pages:
+                            log.info("dropping %d pages decoded ahead of a load that did not come",
+                                     len(self._pages))
                         self._gen += 1
                         self._pages.clear()
                         self._held = 0
+                        self._spare.clear()
                 continue
             if job is None:
                 return
@@ -144,7 +162,11 @@ class WarmPages:
             self.counts["skipped"] += 1
             return
         blobs, bucket = store
-        out = bytearray(self.page_bytes)
+        with self._lock:
+            out = self._spare.pop() if self._spare else None
+        if out is None:
+            out = bytearray(self.page_bytes)
+            self.counts["buffers"] += 1
         try:
             frame, _ = _fetch_frame(blobs, bucket, Digest(d))
             # (a frame without a name would be decoded unchecked: left to the load)
@@ -152,12 +174,12 @@ class WarmPages:
                 codec_mod.decode_into_checked(frame, out, digest_bytes(Digest(d)))[1]
         except (PffsError, CodecError, OSError):
             checked = False     # (the load says what is wrong with it, naming its page)
-        if not checked:
-            self.counts["skipped"] += 1
-            return
         n = len(out)
         with self._lock:
-            if gen != self._gen or d in self._pages or self._held + n > self.limit:
+            if not checked:
+                self.counts["skipped"] += 1
+            if not checked or gen != self._gen or d in self._pages or self._held + n > self.limit:
+                self._spare.append(out)
                 return
             self._pages[d] = out
             self._held += n

@@ -406,14 +406,19 @@ def test_pages_decoded_ahead_are_bounded_named_and_dropped(mnt):
         w.want(str(mnt.path), [m.pages[5], *m.pages[:5], "sha256:" + "0" * 64])
         wait_for(lambda: w.counts["decoded"] + w.counts["skipped"] == 7, what="every page tried")
         assert w.counts["decoded"] == 3 and w.held() == 3 * pb
-        got = w.take(m.pages[0], pb)
-        assert got is not None and "sha256:" + hashlib.sha256(got).hexdigest() == m.pages[0]
-        assert w.take(m.pages[5], pb) is None and w.take(m.pages[1], pb - 1) is None
+        got = bytearray(pb)
+        assert w.take_into(m.pages[0], memoryview(got)) == pb
+        assert "sha256:" + hashlib.sha256(got).hexdigest() == m.pages[0]
+        assert w.take_into(m.pages[5], memoryview(got)) is None
+        assert w.take_into(m.pages[1], memoryview(got)[:pb - 1]) is None
         w.clear()
-        assert w.held() == 0 and w.take(m.pages[2], pb) is None
-        w.want(str(mnt.path), [m.pages[0]])
-        wait_for(lambda: w.counts["decoded"] == 4, what="a page decoded again")
-        wait_for(lambda: w.held() == 0, what="the idle time dropping it")
+        assert w.held() == 0 and w.take_into(m.pages[2], memoryview(got)) is None
+        # The buffers of pages taken or dropped are used again.
+        made = w.counts["buffers"]
+        w.want(str(mnt.path), [m.pages[0], m.pages[2]])
+        wait_for(lambda: w.counts["decoded"] == 5, what="pages decoded again")
+        assert w.counts["buffers"] == made <= 4
+        wait_for(lambda: w.held() == 0, what="the idle time dropping them")
     finally:
         w.stop()
     mnt.skip_check = True  # (page 5's blob is damaged on purpose)
