@@ -489,8 +489,9 @@ def test_a_copy_names_a_blob_stored_ahead_only_if_the_store_still_holds_it(ops):
 def test_a_change_made_on_the_event_loop_never_waits_for_a_lock(ops):
     """``write_small`` runs a change on the loop only where it need not wait:
     its transaction's busy timeout is 0 (the write connection's own is back
-    after), and with the write lock held by another process the change goes to
-    the writer thread, which waits for it while the loop runs on."""
+    for any other use; switched only where it changes), and with the write
+    lock held by another process the change goes to the writer thread, which
+    waits for it while the loop runs on."""
     import sqlite3
     db = ops.db
 
@@ -505,9 +506,12 @@ def test_a_change_made_on_the_event_loop_never_waits_for_a_lock(ops):
 
     async def main():
         assert await db.write_small(busy_timeout) == 0
-        assert db.counts == {"on_loop": 1, "by_writer": 0}
+        assert db.counts == {"on_loop": 1, "by_writer": 0, "timeout_switches": 1}
         with db.writing() as conn:
             assert busy_timeout(conn) == ns.BUSY_TIMEOUT_MS
+        for _ in range(3):      # (changes in a row on the loop switch it once)
+            assert await db.write_small(busy_timeout) == 0
+        assert db.counts["timeout_switches"] == 3
         other.execute("BEGIN IMMEDIATE")
         async with trio.open_nursery() as nursery:
             async def meanwhile():
@@ -523,5 +527,5 @@ def test_a_change_made_on_the_event_loop_never_waits_for_a_lock(ops):
     ino = trio.run(main)
     other.close()
     assert ran_meanwhile == [True]
-    assert db.counts == {"on_loop": 1, "by_writer": 1}
+    assert db.counts == {"on_loop": 4, "by_writer": 1, "timeout_switches": 4}
     assert ns.lookup(db.ro, ns.ROOT_INODE, b"g") == ino

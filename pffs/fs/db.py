@@ -100,9 +100,14 @@ class Database:
         self.generation = 0
         self._synced = -1       # the generation that sync_wal last made durable
         self._writes = 0        # writes handed to the writer thread and not yet answered
+        # The write connection's busy timeout: 0 for a change on the loop
+        # (write_small), namespace.BUSY_TIMEOUT_MS for the threads; set only
+        # where it changes (two PRAGMAs a change cost about half of a small
+        # one), under rw_lock as every use of the connection is.
+        self._rw_waits = True
         # Changes made where they were asked (write_small) and handed to the
-        # writer thread (in stats.json).
-        self.counts = {"on_loop": 0, "by_writer": 0}
+        # writer thread (in stats.json); busy timeout switches.
+        self.counts = {"on_loop": 0, "by_writer": 0, "timeout_switches": 0}
 
     @property
     def ro(self) -> sqlite3.Connection:
@@ -119,7 +124,16 @@ class Database:
     def writing(self) -> Iterator[sqlite3.Connection]:
         """From a worker thread: the write connection, under ``rw_lock``."""
         with self.rw_lock:
+            self._rw_wait(True)
             yield self._rw
+
+    def _rw_wait(self, waits: bool) -> None:
+        """Under rw_lock: the write connection waits for another process's lock
+        (up to namespace.BUSY_TIMEOUT_MS), or never."""
+        if waits != self._rw_waits:
+            self._rw.execute(f"PRAGMA busy_timeout = {namespace.BUSY_TIMEOUT_MS if waits else 0}")
+            self._rw_waits = waits
+            self.counts["timeout_switches"] += 1
 
     def data_version(self) -> int:
         """Changes whenever any connection, of this process or another (gc), has
@@ -158,8 +172,7 @@ class Database:
         """``fn`` in one transaction that waits for no lock: (True, its result),
         or (False, None) where it would have to wait or the disk is full (then
         nothing was changed)."""
-        conn = self._rw
-        conn.execute("PRAGMA busy_timeout = 0")
+        self._rw_wait(False)
         try:
             return True, self._transaction(fn, args)
         except sqlite3.OperationalError as e:
@@ -167,11 +180,10 @@ class Database:
                     or namespace.is_disk_full(e):
                 return False, None
             raise
-        finally:
-            conn.execute(f"PRAGMA busy_timeout = {namespace.BUSY_TIMEOUT_MS}")
 
     def _run(self, fn, args):
         with self.rw_lock:
+            self._rw_wait(True)
             try:
                 return self._transaction(fn, args)
             except sqlite3.OperationalError as e:
@@ -230,6 +242,7 @@ class Database:
     def close(self) -> None:
         self.writer.stop()
         try:
+            self._rw.execute(f"PRAGMA busy_timeout = {namespace.BUSY_TIMEOUT_MS}")
             self._rw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error:
             pass
