@@ -102,8 +102,9 @@ class Database:
         self._writes = 0        # writes handed to the writer thread and not yet answered
         # The write connection's busy timeout: 0 for a change on the loop
         # (write_small), namespace.BUSY_TIMEOUT_MS for the threads; set only
-        # where it changes (two PRAGMAs a change cost about half of a small
-        # one), under rw_lock as every use of the connection is.
+        # where it changes (two PRAGMAs around each change on the loop cost
+        # 17-32 us of a create's 150), under rw_lock as every use of the
+        # connection is.
         self._rw_waits = True
         # Changes made where they were asked (write_small) and handed to the
         # writer thread (in stats.json); busy timeout switches.
