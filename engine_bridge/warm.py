@@ -87,16 +87,13 @@ class WarmPages:
             if data is None:
                 return None
             self._held -= len(data)
-        try:
-            if len(data) != len(out):
-                return None
+        ok = len(data) == len(out)
+        if ok:
             out[:] = data
-        finally:
-            with self._lock:
-                self._spare.append(data)
         with self._lock:
-            self.counts["taken"] += 1
-        return len(data)
+            self._spare.append(data)
+            self.counts["taken"] += ok
+        return len(data) if ok else None
 
     def held(self) -> int:
         with self._lock:
