@@ -219,6 +219,35 @@ class GcLock:
             if depth == 0:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
+    @contextlib.contextmanager
+    def shared_if_free(self) -> Iterator[bool]:
+        """``shared()`` that never waits, for the event loop: yields True with the
+        lock held, or False (nothing held) where gc holds it or waits for it."""
+        intent, fd = self._thread_fds()
+        depth = getattr(self._mine, "depth", 0)
+        if depth == 0:
+            try:
+                fcntl.flock(intent, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = False
+            else:
+                fcntl.flock(intent, fcntl.LOCK_UN)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    held = True
+                except BlockingIOError:
+                    held = False
+            if not held:
+                yield False
+                return
+        self._mine.depth = depth + 1
+        try:
+            yield True
+        finally:
+            self._mine.depth = depth
+            if depth == 0:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
     def hold_shared(self) -> "SharedHold":
         """The lock taken shared until ``release()``, on descriptors of its own
         (so any thread may release it)."""

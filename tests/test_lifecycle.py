@@ -622,6 +622,41 @@ def test_daemon_and_gc_honour_the_gc_lock(mnt, bf16_pages):
     assert (mnt / "f").read_bytes() == pages[0]
 
 
+def test_the_gc_lock_taken_on_the_event_loop_never_waits(tmp_path):
+    """``shared_if_free`` (a copy out of engines/ naming a stored page on the
+    event loop) holds the lock shared as ``shared`` does, so gc cannot sweep
+    meanwhile; where gc holds the lock, or waits for it (holding the intent),
+    it takes nothing and says so at once, and the caller uses a thread."""
+    import fcntl
+
+    from pffs.storedir import GC_INTENT_NAME, GC_LOCK_NAME, GcLock
+    lock = GcLock(tmp_path)
+    gc_fd = os.open(tmp_path / GC_LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    intent_fd = os.open(tmp_path / GC_INTENT_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        with lock.shared_if_free() as held:
+            assert held
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(gc_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with lock.shared_if_free() as again:     # (nested, as shared() nests)
+                assert again
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(gc_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(gc_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # (let go at the end)
+        with lock.shared_if_free() as held:
+            assert not held
+        fcntl.flock(gc_fd, fcntl.LOCK_UN)
+        fcntl.flock(intent_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # gc waiting for the lock
+        with lock.shared_if_free() as held:
+            assert not held
+        fcntl.flock(intent_fd, fcntl.LOCK_UN)
+        with lock.shared_if_free() as held:
+            assert held
+    finally:
+        os.close(gc_fd)
+        os.close(intent_fd)
+
+
 def test_session_sink_refuses_pages_gc_removed(tmp_path, bf16_pages):
     from pffs.errors import PffsError
     from pffs.offline import StoreSessionSink, StoreSessionSource

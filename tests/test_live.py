@@ -369,18 +369,25 @@ def test_a_copy_out_of_engines_asks_the_engine_for_whole_batches_of_pages(mnt, t
     """As cp moves from page to page, the pages ahead are asked of the engine
     8 at a time, not one more page a request (each then ran on one of the
     engine's threads): a copy of n pages makes ceil(n / 8) store requests,
-    overlapping on the engine's threads, and is still its page-out."""
+    overlapping on the engine's threads, names them on the event loop and is
+    still its page-out."""
     engine = ReferenceEngine(seed=SEED, num_blocks=64)
     adapter = ReferenceAdapter(engine)
     with Agent(adapter, mnt.path, "e1", staging_bytes=1 << 20):
         engine.add_request("r", [(7 * i + 3) % 512 for i in range(600)])   # 38 pages
         adapter.step()
-        work = stats(mnt)["live"]
+        before = stats(mnt)
         run("cp", "-r", mnt / "engines/e1/r", mnt / "snap")
-        work = {k: v - work[k] for k, v in stats(mnt)["live"].items()}
+        after = stats(mnt)
+        work = {k: v - before["live"][k] for k, v in after["live"].items()}
+        named = {k: v - before["blobs_named"][k] for k, v in after["blobs_named"].items()}
         n_pages = len(listing(mnt / "snap/pages"))
         assert n_pages == 38
         assert work["pages_stored_by_engine"] == n_pages and work["store_requests"] == 5, work
+        # Each copy names its stored page on the event loop, not through a
+        # commit thread (a hand-off there and back a file), except where a
+        # commit thread was adopting a batch of pages just then.
+        assert sum(named.values()) == n_pages and named["on_loop"] >= n_pages - 2 * 5, named
         adapter.bridge.page_out(adapter.sequences(), tmp_path / "direct")
         assert tree_digest(mnt / "snap") == tree_digest(tmp_path / "direct")
         engine.remove("r")

@@ -134,6 +134,9 @@ class ContentStore:
         # namespace (gc frees behind our back).
         self.gc_lock = gc_lock
         self.recount = recount
+        # Files given a stored blob by name (a copy out of engines/): on the
+        # event loop, or by a commit thread (name_if_stored_now; in stats.json).
+        self.named = {"on_loop": 0, "by_thread": 0}
         # accepted(digest) gives the page count of a manifest already accepted
         # with these bytes, or None (then they are parsed); accepted_pages(digest)
         # its pages, or None.
@@ -330,7 +333,28 @@ class ContentStore:
         with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
             if not self.blobs.contains(Digest(digest)):
                 return False
+            self.named["by_thread"] += 1
             return then()
+
+    def name_if_stored_now(self, digest: str, then: Callable[[], tuple[bool, Any]]) -> tuple[bool, Any]:
+        """``name_if_stored`` on the event loop, where it waits for nothing: *then*
+        gives (done, result) as ``Database.try_small`` does.  (True, its result
+        or False), or (False, None) where it cannot be done there (the store is
+        remote, gc holds or wants its lock, the write connection is taken):
+        then a commit thread does it.  Saves a copy out of ``engines/`` a
+        hand-off to a thread and back a file (docs/performance.md)."""
+        if self.blobs.remote:
+            return False, None
+        gc = self.gc_lock.shared_if_free() if self.gc_lock is not None else contextlib.nullcontext(True)
+        with gc as held:
+            if not held:
+                return False, None
+            if not self.blobs.contains(Digest(digest)):
+                return True, False
+            done, result = then()
+        if done:
+            self.named["on_loop"] += 1
+        return done, result
 
     def _hash_and_put(self, data, batch, rows: list[BlobRow], *, new: bool = False) -> str:
         """Store one block's bytes under their digest; returns it.

@@ -159,6 +159,15 @@ class Database:
         writer thread, as does any write still in flight (changes stay in the
         order they were asked for)."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        done, result = self.try_small(fn, *args)
+        if done:
+            return result
+        return await self.write(fn, *args)
+
+    def try_small(self, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+        """On the loop: ``fn(rw_conn, *args)`` in one transaction if it can run now
+        without waiting (as in ``write_small``): (True, its result), or (False,
+        None) with nothing changed."""
         if self._writes == 0 and self.rw_lock.acquire(blocking=False):
             try:
                 done, result = self._try_now(fn, args)
@@ -166,8 +175,8 @@ class Database:
                 self.rw_lock.release()
             if done:
                 self.counts["on_loop"] += 1
-                return result
-        return await self.write(fn, *args)
+            return done, result
+        return False, None
 
     def _try_now(self, fn, args) -> tuple[bool, Any]:
         """``fn`` in one transaction that waits for no lock: (True, its result),

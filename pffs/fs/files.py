@@ -304,7 +304,7 @@ class Files:
         if of is None or not of.writable or not 0 < size <= BLOCK_SIZE:
             return False
 
-        def content(staged_empty: bool, t: int):
+        async def content(staged_empty: bool, t: int):
             def fn(conn):
                 if not staged_empty and ns.get_inode(conn, of.ino).size:
                     return None     # (not empty)
@@ -312,8 +312,11 @@ class Files:
                     return None
                 ns.set_content(conn, of.ino, size, digest, [digest], [row] if row is not None else [], t)
                 return size, [digest]
+            done, got = self.content.name_if_stored_now(digest, functools.partial(self.db.try_small, fn))
+            if done:
+                return got
             named = functools.partial(self.db.run_in_transaction, fn)
-            return self.content.workers.call(self.content.name_if_stored, digest, named)
+            return await self.content.workers.call(self.content.name_if_stored, digest, named)
         return await self._fill_empty(of.ino, content) is not None
 
     async def copy_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,

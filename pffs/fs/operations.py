@@ -365,7 +365,7 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
     manifests = Manifests(db, content, inodes, files, reader, invalidate, live=live)
     requests: dict[str, int] = {}
     pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json, files.copies,
-                    live.reg.counts if live is not None else None)
+                    live.reg.counts if live is not None else None, content.named)
     trees: dict[str, Tree] = {
         NAMESPACE: NamespaceTree(db, content, inodes, files, manifests, prefetch, invalidate,
                                  store_json),

@@ -41,12 +41,14 @@ _FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK, b"sto
 class PffsTree(Tree):
     def __init__(self, db: Database, reader: BlobReader, requests: dict[str, int],
                  socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n",
-                 copies: dict[str, int] | None = None, live: dict[str, int] | None = None):
+                 copies: dict[str, int] | None = None, live: dict[str, int] | None = None,
+                 named: dict[str, int] | None = None):
         self.db = db
         self.reader = reader
         self.requests = requests             # FUSE requests served, by handler
         self.copies = copies if copies is not None else {}   # (pffs.fs.files.Files.copies)
         self.live = live                     # (pffs.live.registry.LiveRegistry.counts)
+        self.named = named if named is not None else {}   # (pffs.fs.content.ContentStore.named)
         self.store_root = store_root
         self.socket_path = socket_path.encode()
         self.store_json = store_json         # (pffs.fs.direct.store_info)
@@ -88,6 +90,7 @@ class PffsTree(Tree):
             if hasattr(pyfuse3, "read_counts"):
                 figures["request_reads"] = pyfuse3.read_counts()
             figures["copies"] = dict(self.copies)
+            figures["blobs_named"] = dict(self.named)
             if self.live is not None:
                 figures["live"] = dict(self.live)
             figures["namespace_writes"] = dict(self.db.counts)
