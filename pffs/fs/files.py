@@ -313,10 +313,8 @@ class Files:
                 ns.set_content(conn, of.ino, size, digest, [digest], [row] if row is not None else [], t)
                 return size, [digest]
             done, got = self.content.name_if_stored_now(digest, functools.partial(self.db.try_small, fn))
-            if done:
-                return got
-            named = functools.partial(self.db.run_in_transaction, fn)
-            return await self.content.workers.call(self.content.name_if_stored, digest, named)
+            return got if done else await self.content.workers.call(
+                self.content.name_if_stored, digest, functools.partial(self.db.run_in_transaction, fn))
         return await self._fill_empty(of.ino, content) is not None
 
     async def copy_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
