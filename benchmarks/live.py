@@ -18,6 +18,10 @@ in this process, through engine_bridge.agent.  Prints MB/s of:
   and ``cp -r`` of a session into ``engines/`` (a
   second engine pages it in), beside the bridge's own page-out and page-in through the mount (both
   by the direct path where this process may use the store).
+``--threads N`` gives both engines N I/O threads (their page-out, page-in and
+the stores for a copy out; default one a core, up to 4): with fewer than the
+host's cores, the daemon and cp have a core to themselves, as beside an
+engine on a large host.
 Needs root (FUSE).
 """
 
@@ -120,6 +124,9 @@ def main() -> int:
     ap.add_argument("--staging", type=int, default=64, help="the agent's shared staging, MiB")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (best is shown)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the engines' I/O threads (page-out, page-in, stores for a copy out; "
+                         "default: the bridge's, one a core up to 4)")
     args = ap.parse_args()
 
     # As pip install does: byte-compiled, so that timing a `pffs` command does not time the compiler.
@@ -133,10 +140,12 @@ def main() -> int:
     random.Random(0).shuffle(blocks)
     n_tokens = n * 16 - 5       # a partly filled last page, as while decoding
     seq = SeqBlocks("bench", blocks, n_tokens, [i % 128000 for i in range(n_tokens)])
-    bridge = Bridge(pool, alloc, engine_name="bench", model={"name": "bench", "revision": "0"})
+    bridge = Bridge(pool, alloc, engine_name="bench", model={"name": "bench", "revision": "0"},
+                    io_workers=args.threads)
     size = n * pool.page_bytes
     print(f"session: {n} pages of {pool.page_bytes >> 20} MiB ({size / 1e6:.0f} MB), {data}; "
-          f"agent staging {args.staging} MiB; best of {args.repeat}")
+          f"agent staging {args.staging} MiB; {bridge.io_workers} I/O threads an engine, "
+          f"{os.cpu_count()} cores; best of {args.repeat}")
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="pffs-live-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -174,7 +183,7 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
     pool2 = KVPool.allocate(num_blocks=pool.num_blocks, block_size=16, n_layers=32, n_heads=8,
                             head_dim=128, dtype=torch.bfloat16)
     bridge2 = Bridge(pool2, RefCountingAllocator(pool2.num_blocks), engine_name="loader",
-                     model=bridge.model)
+                     model=bridge.model, io_workers=args.threads)
 
     def in_mount():
         bridge2.allocator.free(bridge2.page_in(mnt.path / "direct-0").blocks)
