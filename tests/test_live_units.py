@@ -175,6 +175,49 @@ def _arrive(inc, parent, name, data):
     return node
 
 
+class _NotWalked(dict):
+    """Children a folder's attributes must not go through (one GETATTR of
+    pages/ a file of a copy into engines/ would make the copy O(pages^2))."""
+
+    def values(self):
+        raise AssertionError("a folder's attributes went through its children")
+
+    items = __iter__ = values   # type: ignore[assignment]
+
+
+def test_a_folder_being_copied_in_counts_its_subfolders_as_they_change():
+    """Node.subdirs (the link count 2 + subfolders) follows mkdir, create,
+    unlink, rmdir and rename, and a folder's attributes read it without
+    going through its children."""
+    from pffs.live.registry import LiveRegistry
+    from pffs.live.view import LiveView
+
+    inc, pages, _, _ = _incoming(1)
+    view = LiveView(LiveRegistry())
+
+    def folders(node):
+        return sum(stat.S_ISDIR(c.mode) for c in dict.values(node.children))
+
+    a = inc.make(inc.root, b"a", stat.S_IFDIR | 0o755, 0, 0)
+    b = inc.make(a, b"b", stat.S_IFDIR | 0o755, 0, 0)
+    for i in range(300):
+        inc.make(pages, mf.page_name(i).encode(), stat.S_IFREG | 0o644, 0, 0)
+    inc.make(a, b"f", stat.S_IFREG | 0o644, 0, 0)
+    assert (inc.root.subdirs, a.subdirs, b.subdirs, pages.subdirs) == (2, 1, 0, 0)
+    inc.move(b, inc.root, b"b2")                  # a folder moved up a level
+    assert (inc.root.subdirs, a.subdirs) == (3, 0)
+    inc.move(a.children[b"f"], pages, b"f")       # a file moved: no folder counts change
+    assert (inc.root.subdirs, a.subdirs, pages.subdirs) == (3, 0, 0)
+    inc.detach(a)
+    assert inc.root.subdirs == 2
+    for node in (inc.root, pages, b):
+        assert node.subdirs == folders(node)
+        node.children = _NotWalked(node.children)
+        assert view._node_attr(node).st_nlink == 2 + folders(node)
+    inc.drop()
+    assert inc.root.subdirs == 0
+
+
 def test_a_session_is_complete_once_the_manifest_and_every_page_arrived():
     inc, pages, data, m = _incoming(3)
     _arrive(inc, pages, b"000002", data[2])

@@ -36,6 +36,9 @@ class Node:
     parent: "Node | None" = None
     name: bytes = b""
     children: dict[bytes, "Node"] = field(default_factory=dict)    # folders (empty for files)
+    # Folders among the children, kept as they change: a folder's link count
+    # (2 + subdirs) is asked for at every GETATTR, one a file of a copy.
+    subdirs: int = 0
     data: bytearray = field(default_factory=bytearray)              # files (empty for folders)
     # A file copied in whole from the mount's store by copy_file_range holds
     # the blob's name instead of its bytes (data empty): see hold_blob.
@@ -83,6 +86,7 @@ class IncomingSession:
         node = Node(self._next, mode, uid, gid, parent, name)
         self._next += 1
         parent.children[name] = node
+        parent.subdirs += node.is_dir
         self.nodes[node.ino] = node
         parent.mtime_ns = parent.ctime_ns = now_ns()
         return node
@@ -92,6 +96,7 @@ class IncomingSession:
         parent = node.parent
         if parent is not None and parent.children.get(node.name) is node:
             del parent.children[node.name]
+            parent.subdirs -= node.is_dir
             parent.mtime_ns = parent.ctime_ns = now_ns()
         if self.is_manifest(node):
             self.manifest = self.manifest_data = None
@@ -108,9 +113,11 @@ class IncomingSession:
         old = node.parent
         assert old is not None      # only the root has none, and it is never moved
         del old.children[node.name]
+        old.subdirs -= node.is_dir
         old.mtime_ns = old.ctime_ns = now_ns()
         node.parent, node.name = new_parent, new_name
         new_parent.children[new_name] = node
+        new_parent.subdirs += node.is_dir
         new_parent.mtime_ns = new_parent.ctime_ns = node.ctime_ns = now_ns()
         if was_manifest:
             self.manifest = self.manifest_data = None
@@ -241,6 +248,7 @@ class IncomingSession:
                 node.blob, node.blob_size = None, 0
         self.nodes = {}
         self.root.children = {}
+        self.root.subdirs = 0
         self.bytes = 0
         self._arrived.clear()
         return freed

@@ -232,7 +232,7 @@ class LiveView(IncomingWrites):
 
     def _node_attr(self, node: Node) -> pyfuse3.EntryAttributes:
         a = self._attr(node.ino, node.mode, node.size, node.uid, node.gid,
-                       2 + sum(c.is_dir for c in node.children.values()) if node.is_dir else 1,
+                       2 + node.subdirs if node.is_dir else 1,
                        node.mtime_ns)
         a.st_atime_ns, a.st_ctime_ns = node.atime_ns, node.ctime_ns
         # A file or folder of a session being copied in changes only by requests
