@@ -142,7 +142,8 @@ class LocalBlobStore:
         return folder, f"{folder}/{h}"
 
     def contains(self, digest: Digest) -> bool:
-        return os.path.exists(self.path(digest))
+        # (A string, not a Path: asked on the event loop once a file of a copy out of engines/.)
+        return os.path.exists(self._where(digest)[1])
 
     def stored_size(self, digest: Digest) -> int:
         """Bytes the blob takes on disk (MissingBlob if absent)."""
