@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -116,6 +117,30 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def daemon_cpu(pid: int) -> float:
+    """CPU-s the daemon's threads have used (schedstat: nanoseconds)."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass            # (a thread that ended meanwhile)
+    return total / 1e9
+
+
+def cpu_timed(fn, daemon_pid: int) -> tuple[float, tuple[float, float, float]]:
+    """Seconds of *fn*, and the CPU-s it took of this process (the engines:
+    their page-out and page-in, their agents), of the daemon and of child
+    processes (cp, pffs fork)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    d0 = daemon_cpu(daemon_pid)
+    t = timed(fn)
+    me2, kids2 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return t, (me2.ru_utime + me2.ru_stime - me.ru_utime - me.ru_stime, daemon_cpu(daemon_pid) - d0,
+               kids2.ru_utime + kids2.ru_stime - kids.ru_utime - kids.ru_stime)
 
 
 def main() -> int:
@@ -252,19 +277,32 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
             # Alternating rounds (this host's speed drifts between runs): each
             # pffs fork beside the bridge's own page-out or page-in, the same bytes.
             times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "co", "pi", "fi", "ci")}
+            cpus: dict[str, list[tuple[float, float, float]]] = {k: [] for k in ("po", "co", "pi", "ci")}
+            assert mnt.proc is not None
+            pid = mnt.proc.pid
+
+            def run(key: str, fn) -> None:
+                if key not in cpus:
+                    times[key].append(timed(fn))
+                    return
+                t, cpu = cpu_timed(fn, pid)
+                times[key].append(t)
+                cpus[key].append(cpu)
             for _ in range(args.repeat):
                 clean()
                 perturb(pool)
-                times["po"].append(timed(out_mount))
+                run("po", out_mount)
                 clean()
                 perturb(pool)
-                times["fo"].append(timed(fork_out))
+                run("fo", fork_out)
                 fresh()
-                times["co"].append(timed(cp_live))
-                times["pi"].append(timed(in_mount))
-                times["fi"].append(timed(fork_in))
-                times["ci"].append(timed(cp_in))
+                run("co", cp_live)
+                run("pi", in_mount)
+                run("fi", fork_in)
+                run("ci", cp_in)
             med = {k: statistics.median(v) for k, v in times.items()}
+            CPU.update({k: tuple(statistics.median(c[i] for c in v) for i in range(3))  # type: ignore[misc]
+                        for k, v in cpus.items()})
             rows.append(("alternating: bridge page-out -> mount (median)", size, med["po"]))
             rows.append(("live: pffs fork out of engines/ (median; the engine pages out)", size, med["fo"]))
             rows.append(("live: cp -r out of engines/ (median; the daemon stores the pages)", size, med["co"]))
@@ -274,6 +312,10 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
         # Snapshots are released once idle; check the pins went back.
         wait_for(lambda: alloc.num_free() == pool.num_blocks - n, what="pins released")
     return rows
+
+
+# Medians of the alternating rounds' CPU-s (engines, daemon, cp), by round kind (measure fills it).
+CPU: dict[str, tuple[float, float, float]] = {}
 
 
 def report(rows: list[tuple[str, int, float]]) -> None:
@@ -301,6 +343,20 @@ def report(rows: list[tuple[str, int, float]]) -> None:
     cp_in = base["live: cp -r into engines/ (median; the engine pages in)"][2]
     print(f"cp -r of a session into engines/ vs the bridge's page-in through the mount: "
           f"{page_in / cp_in:.2f}x the speed (medians of alternating rounds)")
+    # Where the cores are the limit: a copy takes at least its CPU over the
+    # host's cores, whatever order the work is done in.
+    cores = os.cpu_count() or 1
+    print(f"CPU-s of the alternating rounds (medians: engines / daemon / cp or pffs), {cores} cores:")
+    for key, what, base_t in (("po", "bridge page-out", None), ("co", "cp -r out of engines/", page_out),
+                              ("pi", "bridge page-in", None), ("ci", "cp -r into engines/", page_in)):
+        if key not in CPU:
+            continue
+        e, d, c = CPU[key]
+        line = f"  {what:<22} {e:6.3f} / {d:6.3f} / {c:6.3f} = {e + d + c:6.3f} CPU-s"
+        if base_t is not None:
+            floor = (e + d + c) / cores
+            line += f"; over {cores} cores at least {floor:.3f} s: at most {base_t / floor:.2f}x"
+        print(line)
 
 
 def _best(fn, repeat: int, setup=None) -> float:
