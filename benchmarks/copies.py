@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -84,13 +85,19 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def cold_read(session: Path) -> float:
-    """Seconds to read every page file of *session* with the page cache dropped first."""
+def cold_read(session: Path, mount: Mount | None = None) -> tuple[float, float, float]:
+    """Seconds to read every page file of *session* with the page cache dropped
+    first, and the CPU-s cat took and *mount*'s daemon (0 without one)."""
     drop_caches()
     files = sorted(str(p) for p in (session / "pages").iterdir())
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    d0 = mount.cpu() if mount is not None else 0.0
     t = time.perf_counter()
     subprocess.run(["sh", "-c", 'cat "$@" > /dev/null', "sh", *files], check=True)
-    return time.perf_counter() - t
+    t = time.perf_counter() - t
+    kids2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (t, kids2.ru_utime + kids2.ru_stime - kids.ru_utime - kids.ru_stime,
+            mount.cpu() - d0 if mount is not None else 0.0)
 
 
 def borg_snapshot(work: Path) -> tuple[float | None, float | None]:
@@ -123,7 +130,7 @@ def main() -> int:
                  timed("sh", "-c", f"cp -r '{work / 'src'}' '{work / 'local-copy2'}' && sync"), None, True)]
 
         borg_t, borg_ratio = borg_snapshot(work)
-        local_read = cold_read(work / "src")
+        local_read, local_cat, _ = cold_read(work / "src")
 
         (work / "m").mkdir()
         m = Mount(work / "m").start()
@@ -161,7 +168,7 @@ def main() -> int:
             m.stop()
         m = Mount(work / "m").start()   # (a fresh daemon: nothing cached in it)
         try:
-            mount_read = cold_read(m.path / "a")
+            mount_read, mount_cat, mount_daemon = cold_read(m.path / "a", m)
         finally:
             m.stop()
         os.environ["PFFS_STOCK_PYFUSE3"] = "1"
@@ -192,6 +199,10 @@ def main() -> int:
         print(f"cold read of every page (cat > /dev/null, page cache dropped): local {local_read:.2f} s "
               f"({nbytes / local_read / 1e6:.0f} MB/s), mount {mount_read:.2f} s "
               f"({nbytes / mount_read / 1e6:.0f} MB/s) = {local_read / mount_read:.2f}x local")
+        cores = os.cpu_count() or 1
+        floor = (mount_cat + mount_daemon) / cores
+        print(f"  its CPU: cat {local_cat:.2f} CPU-s locally; cat {mount_cat:.2f} and the daemon {mount_daemon:.2f}"
+              f" from the mount: over {cores} cores at least {floor:.2f} s, at most {local_read / floor:.2f}x local")
         print(f"\npffs check --read-data: {check.stdout.strip().splitlines()[-1] if check.stdout else ''}"
               f" (exit {check.returncode})")
         return 0 if check.returncode == 0 and all(r[3] for r in rows) else 1

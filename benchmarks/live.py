@@ -119,27 +119,15 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def daemon_cpu(pid: int) -> float:
-    """CPU-s the daemon's threads have used (schedstat: nanoseconds)."""
-    total = 0
-    for t in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass            # (a thread that ended meanwhile)
-    return total / 1e9
-
-
-def cpu_timed(fn, daemon_pid: int) -> tuple[float, tuple[float, float, float]]:
+def cpu_timed(fn, mnt: Mount) -> tuple[float, tuple[float, float, float]]:
     """Seconds of *fn*, and the CPU-s it took of this process (the engines:
     their page-out and page-in, their agents), of the daemon and of child
     processes (cp, pffs fork)."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    d0 = daemon_cpu(daemon_pid)
+    d0 = mnt.cpu()
     t = timed(fn)
     me2, kids2 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return t, (me2.ru_utime + me2.ru_stime - me.ru_utime - me.ru_stime, daemon_cpu(daemon_pid) - d0,
+    return t, (me2.ru_utime + me2.ru_stime - me.ru_utime - me.ru_stime, mnt.cpu() - d0,
                kids2.ru_utime + kids2.ru_stime - kids.ru_utime - kids.ru_stime)
 
 
@@ -278,14 +266,12 @@ def measure(args, pool: KVPool, bridge: Bridge, alloc, seq: SeqBlocks, size: int
             # pffs fork beside the bridge's own page-out or page-in, the same bytes.
             times: dict[str, list[float]] = {k: [] for k in ("po", "fo", "co", "pi", "fi", "ci")}
             cpus: dict[str, list[tuple[float, float, float]]] = {k: [] for k in ("po", "co", "pi", "ci")}
-            assert mnt.proc is not None
-            pid = mnt.proc.pid
 
             def run(key: str, fn) -> None:
                 if key not in cpus:
                     times[key].append(timed(fn))
                     return
-                t, cpu = cpu_timed(fn, pid)
+                t, cpu = cpu_timed(fn, mnt)
                 times[key].append(t)
                 cpus[key].append(cpu)
             for _ in range(args.repeat):

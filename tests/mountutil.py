@@ -115,6 +115,18 @@ class Mount:
         if is_mounted(self.path):
             lazy_unmount(self.path)
 
+    def cpu(self) -> float:
+        """CPU-s the daemon's threads have used so far (for benchmarks)."""
+        assert self.proc is not None
+        total = 0
+        for t in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{t}/schedstat") as f:
+                    total += int(f.read().split()[0])     # (nanoseconds on the CPU)
+            except (OSError, ValueError, IndexError):
+                pass        # (a thread that ended meanwhile)
+        return total / 1e9
+
     # -- checks ---------------------------------------------------------------
 
     def allow(self, pattern: str) -> None:
