@@ -305,6 +305,29 @@ def test_pages_copied_in_by_name_are_read_changed_or_sent_in_memory_as_needed(mn
 
 
 @pytest.mark.skipif(not COPY_RANGE, reason="pyfuse3 without third_party/pyfuse3's patch")
+def test_a_session_copied_in_is_the_live_one_as_soon_as_cp_returns(mnt, engines):
+    """The close that completes a copy into engines/E/ returns once the kernel
+    has forgotten the copied-in files: a stat or read right after cp finds the
+    live session's manifest.json and pages (their own inode numbers), never
+    the files just copied, which are gone (ENOENT through a name the kernel
+    kept)."""
+    from pffs.live.view import MANIFEST_J, PAGE_OFFSET, PAGES_J
+
+    e1, e2 = engines(mnt, "e1", "e2")
+    e1("add", id="r", prompt=PROMPT)
+    e1("step", ids=["r"], n=10)
+    pffs_cli("fork", mnt / "engines/e1/r", mnt / "snap")
+    for i in range(8):
+        dest = mnt / f"engines/e2/s{i}"
+        run("cp", "-r", mnt / "snap", dest)
+        base = os.stat(dest).st_ino
+        assert os.stat(dest / "manifest.json").st_ino == base + MANIFEST_J
+        assert os.stat(dest / "pages").st_ino == base + PAGES_J
+        assert os.stat(dest / "pages/000000").st_ino == base + PAGE_OFFSET
+        assert mf.parse((dest / "manifest.json").read_bytes()).pages
+        e2("remove", id="r")            # (the next round loads the same sequence again)
+
+
 def test_pages_copied_out_are_stored_by_the_daemon_where_the_engine_cannot_reach_the_store(
         mnt, engines, tmp_path):
     """An engine that cannot use the mount's store itself (PFFS_DIRECT=0 here;

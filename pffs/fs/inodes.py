@@ -112,6 +112,10 @@ def _notify(notify, ino: int, arg) -> None:
             log.debug("%s of inode %d (%r): %s", notify.__name__, ino, arg, e)
 
 
+# Seconds a handler waits for the invalidations queued before it (Invalidator.settled).
+SETTLE_TIMEOUT = 10.0
+
+
 class Invalidator:
     """Kernel cache invalidations, sent from a worker thread, never from a handler."""
 
@@ -121,7 +125,22 @@ class Invalidator:
 
     async def run(self) -> None:
         async for notify, ino, arg in self._recv:
+            if notify is None:
+                arg.set()       # (settled(): what was queued before it has been sent)
+                continue
             await trio.to_thread.run_sync(_notify, notify, ino, arg)
+
+    async def settled(self, timeout: float = SETTLE_TIMEOUT) -> bool:
+        """Return once the kernel has been sent every invalidation queued so far
+        (False if that took over *timeout* seconds).  For a handler whose
+        reply must not let the kernel answer from what they invalidate; only
+        where the request holds no folder's lock (a close: an entry
+        invalidation takes its folder's)."""
+        done = trio.Event()
+        with trio.move_on_after(timeout):
+            await self._send.send((None, 0, done))
+            await done.wait()
+        return done.is_set()
 
     def inode(self, ino: int, attr_only: bool) -> None:
         """Have the kernel forget what it cached of *ino* (its attributes only, or its pages too)."""

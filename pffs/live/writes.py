@@ -31,6 +31,9 @@ from .protocol import valid_name
 from .registry import INCOMING_LIMIT
 from .sessions import EngineSessions, SessionEntry
 
+if TYPE_CHECKING:
+    from ..fs.inodes import Invalidator
+
 log = logging.getLogger("pffs.live")
 
 # Manifests above this size are parsed in a worker thread.
@@ -43,6 +46,8 @@ class IncomingWrites:
     reg: Registry
     #: The bytes of a blob of the mount's store (set by pffs.fs.operations.build).
     fetch_blob: Callable[[str], Awaitable[bytes]]
+    #: The kernel cache invalidations (set by pffs.fs.operations.build; None in unit tests).
+    invalidate: Invalidator | None
 
     if TYPE_CHECKING:
         # The numbering and attributes of LiveView (pffs.live.view) this half uses.
@@ -148,7 +153,14 @@ class IncomingWrites:
             if inc.is_manifest(node) and node.linked and node.arrived and node.version == version:
                 inc.set_manifest(m, data)
         if inc.complete():
-            await self._page_in(entry, self._path(entry, node), "close")
+            try:
+                await self._page_in(entry, self._path(entry, node), "close")
+            finally:
+                # The folder's files are now the live session's (or gone): the
+                # kernel forgets the copied-in ones before this close returns,
+                # so that a read right after the copy finds the live session.
+                if self.invalidate is not None and entry.incoming is None:
+                    await self.invalidate.settled()
 
     # -- copying a session in ------------------------------------------------------------
 
