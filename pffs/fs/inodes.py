@@ -138,7 +138,10 @@ class Invalidator:
         invalidation takes its folder's)."""
         done = trio.Event()
         with trio.move_on_after(timeout):
-            await self._send.send((None, 0, done))
+            try:
+                await self._send.send((None, 0, done))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False    # (unmounting: nothing is sent any more)
             await done.wait()
         return done.is_set()
 
