@@ -117,7 +117,8 @@ SETTLE_TIMEOUT = 10.0
 
 
 class Invalidator:
-    """Kernel cache invalidations, sent from a worker thread, never from a handler."""
+    """Kernel cache invalidations, sent from a worker thread, never from a handler
+    (which may wait for them: settled)."""
 
     def __init__(self, paths: InodeTable):
         self._paths = paths
