@@ -328,6 +328,36 @@ def test_a_session_copied_in_is_the_live_one_as_soon_as_cp_returns(mnt, engines)
         e2("remove", id="r")            # (the next round loads the same sequence again)
 
 
+def test_a_session_renamed_into_place_is_the_live_one_as_soon_as_the_rename_returns(mnt, engines):
+    """A rename that completes a copy into engines/E/ (rsync's temporary names)
+    cannot wait for the kernel to forget the copied-in files (it holds the
+    folder's lock an entry invalidation takes): until it does, a name the
+    kernel kept leads to the live session's own file, never to ENOENT."""
+    e1, e2 = engines(mnt, "e1", "e2")
+    e1("add", id="r", prompt=PROMPT)
+    e1("step", ids=["r"], n=10)
+    pffs_cli("fork", mnt / "engines/e1/r", mnt / "snap")
+    first = (mnt / "snap/pages/000000").read_bytes()
+    names = listing(mnt / "snap/pages")
+    for i in range(8):
+        dest = mnt / f"engines/e2/s{i}"
+        if i % 2:
+            # rsync: manifest.json first, then each page under a temporary name
+            # renamed into place; the folders' times set last, through names the
+            # kernel kept (rsync exits 23 where one of them is ENOENT).
+            run("rsync", "-a", f"{mnt / 'snap'}/", dest)
+        else:
+            dest.mkdir()
+            run("cp", "-r", mnt / "snap/pages", dest)
+            (dest / ".manifest.json.tmp").write_bytes((mnt / "snap/manifest.json").read_bytes())
+            os.rename(dest / ".manifest.json.tmp", dest / "manifest.json")
+        assert mf.parse((dest / "manifest.json").read_bytes()).pages
+        assert (dest / "pages/000000").read_bytes() == first
+        assert listing(dest / "pages") == names
+        os.utime(dest / "pages")
+        e2("remove", id="r")            # (the next round loads the same sequence again)
+
+
 def test_pages_copied_out_are_stored_by_the_daemon_where_the_engine_cannot_reach_the_store(
         mnt, engines, tmp_path):
     """An engine that cannot use the mount's store itself (PFFS_DIRECT=0 here;

@@ -483,6 +483,7 @@ class LiveEngine(EngineSessions):
         assert inc is not None and inc.manifest is not None and inc.manifest_data is not None
         m, manifest_data = inc.manifest, inc.manifest_data
         inc.state = "paging-in"
+        taken = False
         try:
             nodes = inc.page_nodes()
             sizes = [n.size for n in nodes]
@@ -495,9 +496,10 @@ class LiveEngine(EngineSessions):
             finally:
                 os.close(fd)
             self.note_session(entry.name)
+            taken = True
             return [str(s) for s in reply.get("seqs", [])]
         finally:
-            self.drop_incoming(entry)
+            self.drop_incoming(entry, taken)
 
     async def load_blobs(self, entry: SessionEntry) -> list[str] | None:
         """Have the engine page in a complete incoming session whose every page
@@ -529,7 +531,7 @@ class LiveEngine(EngineSessions):
         finally:
             os.close(fd)
         self.note_session(entry.name)
-        self.drop_incoming(entry)
+        self.drop_incoming(entry, taken=True)
         return [str(s) for s in reply.get("seqs", [])]
 
     async def save(self, session: str, path: str) -> int:
@@ -543,10 +545,12 @@ class LiveEngine(EngineSessions):
         self.note_session(name)
         return [str(s) for s in reply.get("seqs", [])]
 
-    def drop_incoming(self, entry: SessionEntry) -> None:
-        """Forget a session being copied in, and the memory it held."""
+    def drop_incoming(self, entry: SessionEntry, taken: bool = False) -> None:
+        """Forget a session being copied in, and the memory it held; *taken*:
+        the engine has it (its files' inodes then name the live session's)."""
         inc, entry.incoming = entry.incoming, None
         if inc is not None:
+            entry.taken = inc.live_names() if taken else {}
             self.registry.incoming_gone(self.key, entry.key, entry.name, list(inc.root.children))
             freed = inc.drop()
             self.incoming_bytes -= freed

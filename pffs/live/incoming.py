@@ -237,6 +237,24 @@ class IncomingSession:
         pages = self.root.children[PAGES].children
         return [pages[mf.page_name(ix).encode()] for ix in range(len(m.pages))]
 
+    def live_names(self) -> dict[int, tuple[str, int | None]]:
+        """What the engine's session has for each copied-in file and folder the
+        kernel may still name by its inode: ``pages/`` ("pages"), manifest.json
+        ("manifest") and each page file ("page", its index); see
+        pffs.live.view.LiveView._resolve."""
+        out: dict[int, tuple[str, int | None]] = {}
+        man = self.root.children.get(MANIFEST)
+        if man is not None and not man.is_dir:
+            out[man.ino] = ("manifest", None)
+        pages = self.root.children.get(PAGES)
+        if pages is not None and pages.is_dir:
+            out[pages.ino] = ("pages", None)
+            for name, node in pages.children.items():
+                ix = mf.parse_page_name(name)
+                if ix is not None and not node.is_dir:
+                    out[node.ino] = ("page", ix)
+        return out
+
     def drop(self) -> int:
         """Forget every byte (the session went into the engine or was refused)."""
         freed = self.bytes

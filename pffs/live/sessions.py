@@ -66,6 +66,10 @@ class SessionEntry:
         self.bound: dict[int, Snapshot] = {}    # reader pid -> its snapshot
         self.latest: Snapshot | None = None
         self.incoming: IncomingSession | None = None
+        # The files and folders of the copy the engine took last, by inode:
+        # what of the live session each is (IncomingSession.live_names), for
+        # names the kernel keeps until the invalidations of a take land.
+        self.taken: dict[int, tuple[str, int | None]] = {}
         self.lock = trio.Lock()                  # one snapshot taken at a time
         self.seen_ns = time.time_ns()            # (its folder's time: LiveView._session_attr)
         # Until when the kernel may keep the attributes of pages 0..kept_pages-1 (keep_page_attrs)

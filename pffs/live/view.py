@@ -10,7 +10,8 @@ key *k* owns ``LIVE_BASE + k * SPAN`` and up::
                     copies the pages, storing each as it goes, before the
                     manifest, which then names what was stored without
                     hashing a page again)
-    +3 ...          files and folders of a session being copied in
+    +3 ...          files and folders of a session being copied in (once the
+                    engine took it, the live files they were: SessionEntry.taken)
     +PAGE_OFFSET+i  pages/NNNNNN (page i) of a live session
 
 Keys are never reused while the daemon runs, so a re-attached engine gets
@@ -141,6 +142,10 @@ class LiveView(IncomingWrites):
             return "pages", obj, None
         if j >= PAGE_OFFSET:
             return "page", obj, j - PAGE_OFFSET
+        # A copied-in file the engine took, through a name the kernel kept (a
+        # rename completing the copy cannot wait for _incoming_gone): the live one.
+        if (taken := obj.taken.get(ino)) is not None:
+            return taken[0], obj, taken[1]
         raise FUSEError(errno.ENOENT)
 
     # -- attributes ------------------------------------------------------------
@@ -169,15 +174,13 @@ class LiveView(IncomingWrites):
         return self._cached(self._attr(ENGINES_INO, stat.S_IFDIR | 0o755, nlink=2 + len(self.reg.engines)))
 
     def _engine_attr(self, eng: LiveEngine) -> pyfuse3.EntryAttributes:
-        # Owned by the mount's owner (not the engine's uid, which may be root):
-        # that is who copies sessions in.
+        # Owned by the mount's owner, who copies sessions in (not the engine's uid).
         return self._cached(self._attr(self.base(eng.key), stat.S_IFDIR | 0o755, nlink=2,
                                        mtime_ns=eng.attached_ns))
 
     def _cached(self, a: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
-        """``engines/`` and ``engines/NAME``, the same for every process until an
-        engine attaches or detaches (_engine_changed invalidates them), are kept
-        by the kernel: a path through them costs no LOOKUP and GETATTR of each."""
+        """Kept by the kernel until invalidated (engines/ and engines/NAME: the same
+        for every process until an engine attaches or detaches): no LOOKUP and GETATTR."""
         if self.invalidate is not None:
             a.entry_timeout = a.attr_timeout = ENGINE_DIRS_TIMEOUT
         return a
@@ -198,13 +201,10 @@ class LiveView(IncomingWrites):
         t = snap.taken_ns if snap is not None else eng.attached_ns
         base = self.base(entry.key)
         if j == 0 or j == PAGES_J:
-            # A live session's folder and its pages/ are the same for every
-            # process (their time is when the session was first seen): the
-            # kernel may keep them for as long as the daemon keeps its list
-            # of the engine's sessions (LIST_TTL), which bounds how long an
-            # ended session is seen anyway.  cp -r out of engines/ asked a
-            # LOOKUP and a GETATTR of both twice a file.  What is in them
-            # depends on the reader's snapshot, and stays uncached.
+            # The same for every process (their time: when the session was
+            # first seen), kept by the kernel as long as the daemon keeps its
+            # list of the engine's sessions (LIST_TTL; cp -r out of engines/
+            # asked a LOOKUP and a GETATTR of both twice a file).
             a = self._attr(base + j, stat.S_IFDIR | 0o755, uid=uid, gid=gid, nlink=3 if j == 0 else 2,
                            mtime_ns=entry.seen_ns)
             if self.invalidate is not None:
