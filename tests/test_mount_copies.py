@@ -84,6 +84,44 @@ def test_names_times_and_shared_blobs_are_written_without_a_thread_hand_off(mnt,
         assert os.stat(mnt / "b" / name).st_mtime_ns == os.stat(mnt / "a" / name).st_mtime_ns
 
 
+def test_rm_r_deletes_page_files_on_the_event_loop(mnt, bf16_pages):
+    """rm -r of a session: each unlink, and each page file's deletion once the
+    kernel forgets it, is a transaction on the event loop (no thread hand-off);
+    only deletions that may take a page list with them (manifest.json, the last
+    page file of a fork) go to the writer thread. What is left reads the same."""
+    import sqlite3
+
+    from mountutil import pffs as pffs_cli
+    from mountutil import wait_for
+    from pffs import namespace as ns
+
+    pages = varied_pages(bf16_pages, 16)
+    write_session(mnt / "a", pages)
+    run("cp", "-r", mnt / "a", mnt / "b")           # (b's files hold a's blobs)
+    pffs_cli("fork", mnt / "a", mnt / "c")           # (c's through a's page list)
+    sums = run("sha256sum", *sorted(os.listdir(mnt / "a" / "pages")), cwd=mnt / "a" / "pages")
+    # (c's page files become inodes of their own as they are looked up)
+    assert run("sha256sum", *sorted(os.listdir(mnt / "c" / "pages")), cwd=mnt / "c" / "pages") == sums
+    db = sqlite3.connect(f"file:{mnt.store / ns.DB_NAME}?mode=ro", uri=True)
+
+    def inodes() -> int:
+        return db.execute("SELECT count(*) FROM inodes").fetchone()[0]
+
+    for name in ("a", "c"):
+        n = inodes()
+        before = stats(mnt)["namespace_writes"]
+        run("rm", "-r", mnt / name)
+        # 16 pages, manifest.json, pages/ and the folder (deleted at the kernel's FORGET)
+        wait_for(lambda: inodes() == n - 19, what=f"{name}'s inodes deleted")
+        after = stats(mnt)["namespace_writes"]
+        # (in the writer: manifest.json's, a fork's pages/ (its fold) and last page
+        # file, and changes asked while one of them runs there; 38 before)
+        assert after["by_writer"] - before["by_writer"] <= 8, (name, before, after)
+        assert after["on_loop"] - before["on_loop"] >= 20      # (deletions may go in batches)
+        assert run("sha256sum", *sorted(os.listdir(mnt / "b" / "pages")), cwd=mnt / "b" / "pages") == sums
+    db.close()
+
+
 @needs_patch
 def test_cp_r_within_the_mount_decodes_no_blob(mnt, bf16_pages):
     """cp opens every source file and copies it with copy_file_range, never

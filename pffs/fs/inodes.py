@@ -24,6 +24,9 @@ from .staging import Staging
 
 log = logging.getLogger("pffs.fs")
 
+# Inodes at most deleted in one transaction on the loop (InodeTable.maybe_delete).
+SMALL_BATCH = 32
+
 
 @dataclass
 class InodeState:
@@ -50,6 +53,11 @@ class InodeTable:
         self.lookups: dict[int, int] = {}
         self.states: dict[int, InodeState] = {}
         self._said_negative = False          # a forget found a lookup count going below 0
+        # Unlinked inodes let go of, waiting for the deletion in the writer to
+        # end (maybe_delete), and the event set once they are deleted.
+        self._doomed: list[int] = []
+        self._deleting = False
+        self._deleted = trio.Event()
 
     def looked_up(self, ino: int, n: int = 1) -> None:
         self.lookups[ino] = self.lookups.get(ino, 0) + n
@@ -86,20 +94,52 @@ class InodeTable:
         return ns.path_of(self.db.ro, ino)
 
     async def maybe_delete(self, ino: int) -> None:
-        """Delete an unlinked inode once the kernel and every handle let go of it."""
+        """Delete an unlinked inode once the kernel and every handle let go of it
+        (returns once it is deleted).
+
+        A deletion of a few rows (ns.deletes_little: a page file) runs on the
+        loop where nothing else writes (Database.write_small), others in the
+        writer thread; inodes let go of while one runs there are deleted
+        together in the next transaction, not a transaction and two thread
+        hand-offs each (``rm -r``: the kernel's FORGET of each file it
+        unlinked)."""
         if self.in_use(ino):
             return
         row = self.db.ro.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
         if row is None or row[0] != 0:
             return
+        deleted = self._deleted
+        self._doomed.append(ino)
+        if self._deleting:
+            await deleted.wait()
+            return
+        self._deleting = True
+        try:
+            while self._doomed:
+                batch, self._doomed = self._doomed, []
+                deleted, self._deleted = self._deleted, trio.Event()
+                small = len(batch) <= SMALL_BATCH and all(ns.deletes_little(self.db.ro, i) for i in batch)
+                try:
+                    await (self.db.write_small if small else self.db.write)(self._delete, batch)
+                except Exception:       # (the names are gone: the next mount deletes them)
+                    log.exception("deleting unlinked inodes %s", batch[:8])
+                finally:
+                    deleted.set()
+        finally:
+            # (Cancelled at unmount: those still doomed are the next mount's
+            # cleanup_orphans'; their waiters wait no more.)
+            self._deleting = False
+            self._doomed = []
+            self._deleted.set()
+            self._deleted = trio.Event()
 
-        def fn(conn):
-            # (In the writer: in_use reads loop state, which only the loop
-            # changes, and a lookup since the check above keeps the inode.)
+    def _delete(self, conn, inos: list[int]) -> None:
+        # (In the writer: in_use reads loop state, which only the loop changes,
+        # and a lookup since maybe_delete's check keeps the inode.)
+        for ino in inos:
             row = conn.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
             if row is not None and row[0] == 0 and not self.in_use(ino):
                 ns.delete_inode(conn, ino)
-        await self.db.write(fn)
 
 
 def _notify(notify, ino: int, arg) -> None:

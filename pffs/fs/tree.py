@@ -45,6 +45,11 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10
 
 
+def _held(ino: int) -> bool:
+    """(For ns.unlink and ns.rmdir: the inode is left for maybe_delete.)"""
+    return True
+
+
 def xattr_ns_ok(name: bytes) -> None:
     """The namespaces pffs keeps: user.* and trusted.*."""
     if not (name.startswith(b"user.") or name.startswith(b"trusted.")):
@@ -221,12 +226,15 @@ class NamespaceTree(Tree):
         await self._remove(ns.rmdir, parent, name)
 
     async def _remove(self, remove, parent: int, name: bytes) -> None:
-        """A name gone (``ns.unlink`` or ``ns.rmdir``): its inode with it unless held."""
+        """A name gone (``ns.unlink`` or ``ns.rmdir``), then its inode unless held.
+
+        The name is a few rows, changed on the loop where nothing else writes
+        (write_small); the inode, with what it holds, goes in ``maybe_delete``
+        (at once where nothing holds it, else at the kernel's FORGET)."""
         if reserved(parent, name):
             raise FUSEError(errno.EPERM)
-        ino, deleted = await self.db.write(remove, parent, name, self.inodes.in_use)
-        if not deleted:
-            await self.inodes.maybe_delete(ino)
+        ino, _ = await self.db.write_small(remove, parent, name, _held)
+        await self.inodes.maybe_delete(ino)
 
     async def rename(self, p_old, n_old, p_new, n_new, flags, ctx):
         if reserved(p_old, n_old) or reserved(p_new, n_new):

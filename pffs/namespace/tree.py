@@ -138,6 +138,26 @@ def delete_inode(conn: sqlite3.Connection, ino: int) -> None:
     conn.execute("DELETE FROM inodes WHERE id=?", (ino,))
 
 
+# Blocks rows of an inode whose deletion is a small change (deletes_little).
+FEW_BLOCKS = 16
+
+
+def deletes_little(conn: sqlite3.Connection, ino: int) -> bool:
+    """Whether ``delete_inode(ino)`` changes a few rows only: a file of at most
+    FEW_BLOCKS blocks, holding no manifest or fold, none of whose blocks is
+    the last of a fork's pageset (whose page list would go with it)."""
+    if conn.execute("SELECT 1 FROM manifests WHERE inode=:i UNION ALL SELECT 1 FROM folds WHERE dir=:i"
+                    " LIMIT 1", {"i": ino}).fetchone() is not None:
+        return False
+    n = 0
+    for (via,) in conn.execute("SELECT via FROM blocks WHERE inode=? LIMIT ?", (ino, FEW_BLOCKS + 1)):
+        n += 1
+        if via is not None and conn.execute("SELECT 1 FROM blocks WHERE via=? AND inode<>? LIMIT 1",
+                                            (via, ino)).fetchone() is None:
+            return False
+    return n <= FEW_BLOCKS
+
+
 def drop_link(conn: sqlite3.Connection, ino: int, t: int, in_use: bool) -> bool:
     """One name of *ino* is gone; True if the inode itself was deleted."""
     node = get_inode(conn, ino)
