@@ -37,7 +37,7 @@ import re
 import struct
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zstandard
@@ -400,21 +400,46 @@ def decode(frame, max_raw: int = MAX_RAW, *, check_crc: bool = True) -> bytes:
     or a checksum mismatch.  *check_crc* may be turned off by a caller that
     verifies a stronger digest of the result anyway.
     """
+    return _decode(frame, max_raw, check_crc, False)
+
+
+def decode_view(frame, max_raw: int = MAX_RAW, *, check_crc: bool = True) -> bytes | memoryview:
+    """:func:`decode`, but a planes frame's bytes are joined into an array of
+    their own and handed back as a read-only memoryview, not copied into a
+    bytes object (the daemon's reads: about 8% of a cold read's CPU, the copy
+    and the fresh pages it wrote: docs/performance.md)."""
+    return _decode(frame, max_raw, check_crc, True)
+
+
+def _decode(frame, max_raw: int, check_crc: bool, view: bool) -> Any:
     hdr = read_header(frame)
     if hdr.raw_len > max_raw:
         raise CodecError(f"frame declares {hdr.raw_len} raw bytes, limit is {max_raw}")
     payload = _payload(frame, hdr)
+    raw: bytes | memoryview
     if hdr.codec.id == CODEC_RAW:
         if len(payload) != hdr.raw_len:
             raise CodecError(f"raw frame holds {len(payload)} bytes, header says {hdr.raw_len}")
-        raw = bytes(payload)
+        raw = payload.toreadonly() if view else bytes(payload)
     elif hdr.codec.id == CODEC_ZSTD:
         raw = _zstd_decode(payload, hdr.raw_len)
+    elif view and hdr.raw_len % 2 == 0:
+        out = np.empty(hdr.raw_len, np.uint8)
+        _join_into(out, *_plane_parts(payload, hdr.flags, hdr.raw_len)[:2])
+        raw = out.data.toreadonly()
     else:
         raw = _decode_planes(payload, hdr.flags, hdr.raw_len)
     if check_crc and crc32(raw) != hdr.crc32:
         raise CodecError("crc32 of the decoded bytes does not match the header")
     return raw
+
+
+def _join_into(dst, lo, hi) -> None:
+    """The planes of an even number of bytes joined straight into *dst*: hi << 8 | lo."""
+    w = np.frombuffer(dst, dtype="<u2")
+    w[:] = np.frombuffer(hi, dtype=np.uint8)
+    w <<= 8
+    w |= np.frombuffer(lo, dtype=np.uint8)
 
 
 def decode_into(frame, out, *, check_crc: bool = True) -> int:
@@ -431,11 +456,7 @@ def decode_into(frame, out, *, check_crc: bool = True) -> int:
     payload = _payload(frame, hdr)
     if hdr.codec.id == CODEC_PLANES_ZSTD and hdr.raw_len % 2 == 0:
         lo, hi, _ = _plane_parts(payload, hdr.flags, hdr.raw_len)
-        # Joined straight into *dst*: hi << 8 | lo, 16 bits at a time.
-        w = np.frombuffer(dst, dtype="<u2")
-        w[:] = np.frombuffer(hi, dtype=np.uint8)
-        w <<= 8
-        w |= np.frombuffer(lo, dtype=np.uint8)
+        _join_into(dst, lo, hi)
     else:
         dst[:] = decode(frame, max(hdr.raw_len, 1), check_crc=False)
     if check_crc and crc32(dst) != hdr.crc32:

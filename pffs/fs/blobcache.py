@@ -20,11 +20,11 @@ class BlobCache:
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
-        self._d: OrderedDict[str, bytes] = OrderedDict()
+        self._d: OrderedDict[str, bytes | memoryview] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, digest: str, count: bool = True) -> bytes | None:
+    def get(self, digest: str, count: bool = True) -> bytes | memoryview | None:
         data = self._d.get(digest)
         if data is None:
             self.misses += count
@@ -33,7 +33,7 @@ class BlobCache:
         self.hits += count
         return data
 
-    def put(self, digest: str, data: bytes) -> None:
+    def put(self, digest: str, data: bytes | memoryview) -> None:
         if len(data) > self.limit or digest in self._d:
             return
         self._d[digest] = data
@@ -65,7 +65,7 @@ class BlobReader:
         self.prefetched_blobs = 0  # blobs the prefetcher fetched ahead of readers
         self.prefetch_jobs = 0     # jobs it gave its threads for them (see pffs.fs.prefetch)
 
-    async def blob(self, digest: str, ino: int) -> bytes:
+    async def blob(self, digest: str, ino: int) -> bytes | memoryview:
         """The bytes of *digest*, read for inode *ino* (EIO if damaged)."""
         data = self.cache.get(digest)
         if data is not None:
@@ -78,7 +78,7 @@ class BlobReader:
         ev = self.loading[digest] = trio.Event()
         self.fetched_by_reads += 1
         try:
-            fetched: bytes = await trio.to_thread.run_sync(self.content.get, digest,
+            fetched: bytes | memoryview = await trio.to_thread.run_sync(self.content.get, digest,
                                                  limiter=self.content.limiter)
         except IntegrityError as e:
             log.error("read %s: %s", self._path_of(ino), e)

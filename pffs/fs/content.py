@@ -297,9 +297,10 @@ class ContentStore:
                 stg.pins.add([d])
             return rows[0]
 
-    def get(self, digest: Digest) -> bytes:
-        """A blob's bytes, decoded and verified (a large one within the block budget)."""
-        return self.blobs.get(digest, hold=self.block_budget.hold)
+    def get(self, digest: Digest) -> bytes | memoryview:
+        """A blob's bytes, decoded and verified (a large one within the block budget;
+        a large page in a read-only view: BlobStore.get_view)."""
+        return self.blobs.get_view(digest, hold=self.block_budget.hold)
 
     def store_bytes(self, data, digest: str | None = None) -> BlobRow:
         """In a commit thread: store *data* as one blob now (a page a copy will

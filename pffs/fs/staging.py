@@ -58,7 +58,7 @@ class MemoryBudget:
 
 
 class Staging:
-    def __init__(self, budget: MemoryBudget, spill_dir: str, initial: bytes = b""):
+    def __init__(self, budget: MemoryBudget, spill_dir: str, initial: bytes | memoryview = b""):
         self.budget = budget
         self.spill_dir = spill_dir
         self.buf: bytearray | None = bytearray(initial)
@@ -79,7 +79,7 @@ class Staging:
         # A block is read in (:meth:`fill`) before anything changes it, so an
         # edit of a large file costs the blocks it touches.
         self.unloaded: set[int] = set()
-        self.fetch: Callable[[Digest], bytes] | None = None
+        self.fetch: Callable[[Digest], bytes | memoryview] | None = None
         # Write-behind (Files._write_behind): full blocks stored while the
         # file is still being written.  Blocks whose job is running; of those,
         # the ones written to since it began (its result is then dropped); the
@@ -214,7 +214,7 @@ class Staging:
             raise ValueError("staged bytes not on disk")
         return self.fd
 
-    def _fetch(self, digest: str) -> bytes:
+    def _fetch(self, digest: str) -> bytes | memoryview:
         """A committed block's bytes (set wherever ``unloaded`` is)."""
         if self.fetch is None:
             raise ValueError("no blob reader for blocks not read in")

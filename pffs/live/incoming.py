@@ -151,7 +151,7 @@ class IncomingSession:
         node.blob, node.blob_size = digest, size
         self.changed(node)
 
-    def unblob(self, node: Node, data: bytes) -> int:
+    def unblob(self, node: Node, data: bytes | memoryview) -> int:
         """A file held by name gets its bytes (*data*, the blob's): how many bytes
         the session's memory grew by."""
         assert node.blob is not None and len(data) == node.blob_size

@@ -464,7 +464,7 @@ class LiveView(IncomingWrites):
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     @_errors
-    async def read(self, h: Handle, off: int, size: int) -> bytes:
+    async def read(self, h: Handle, off: int, size: int) -> bytes | memoryview:
         snap = h.snap
         if h.kind == "manifest":
             # open() took the snapshot and waited for its manifest.json, which stays.

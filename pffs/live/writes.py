@@ -45,7 +45,7 @@ class IncomingWrites:
 
     reg: Registry
     #: The bytes of a blob of the mount's store (set by pffs.fs.operations.build).
-    fetch_blob: Callable[[str], Awaitable[bytes]]
+    fetch_blob: Callable[[str], Awaitable[bytes | memoryview]]
     #: The kernel cache invalidations (set by pffs.fs.operations.build; None in unit tests).
     invalidate: Invalidator | None
 

@@ -25,7 +25,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, StoreFull
@@ -80,14 +80,25 @@ def decode_verified(digest: Digest, frame: bytes, max_raw: int, verify: bool = T
     bytes.  Others, or any with *rehash*, are hashed again.  *verify* False
     (a caller that hashes the result itself) checks neither.
     """
+    return _verified(digest, frame, max_raw, verify, hold, rehash, codec_mod.decode)
+
+
+def decode_verified_view(digest: Digest, frame: bytes, max_raw: int, hold=None) -> bytes | memoryview:
+    """:func:`decode_verified` (verified), a large page's bytes in a read-only
+    view of their own (``codec.decode_view``): for the daemon's reads."""
+    return _verified(digest, frame, max_raw, True, hold, False, codec_mod.decode_view)
+
+
+def _verified(digest: Digest, frame: bytes, max_raw: int, verify: bool, hold, rehash: bool,
+              decode: Callable[..., Any]) -> Any:
     try:
         hdr = codec_mod.read_header(frame)
         held = contextlib.nullcontext() if hold is None else hold(hdr.raw_len)
         with held:
             if verify and codec_mod.check_name(frame, digest_bytes(digest)) and not rehash:
-                return codec_mod.decode(frame, max_raw)
+                return decode(frame, max_raw)
             # The sha256 check below is stronger than the frame's crc32.
-            raw = codec_mod.decode(frame, max_raw, check_crc=not verify)
+            raw = decode(frame, max_raw, check_crc=not verify)
             if verify and digest_of(raw) != digest:
                 raise CorruptBlob(digest, "sha256 of the stored bytes does not match its name")
             return raw
@@ -269,6 +280,11 @@ class LocalBlobStore:
         daemon's budget of block-sized buffers)."""
         return decode_verified(digest, self.get_frame(digest), self.max_raw, verify, hold,
                                rehash=rehash)
+
+    def get_view(self, digest: Digest, *, hold=None) -> bytes | memoryview:
+        """:meth:`get`, verified, a large page's bytes in a read-only view
+        (:func:`decode_verified_view`): the daemon's reads."""
+        return decode_verified_view(digest, self.get_frame(digest), self.max_raw, hold)
 
     def header(self, digest: Digest) -> codec_mod.FrameHeader:
         try:

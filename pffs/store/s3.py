@@ -32,14 +32,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from .. import codec as codec_mod
 from ..errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
 from ..namespace import BlobRow
 from ..types import Digest, digest_bytes, digest_hex, digest_of, is_digest
 from .framecache import FrameCache, PeekCache
-from .local import PutResult, decode_verified, sealed
+from .local import PutResult, decode_verified, decode_verified_view, sealed
 from .s3client import DOWN_HOLD, S3Requests, _status
 from .s3config import (
     _PERSISTED,
@@ -423,14 +423,22 @@ class S3BlobStore(S3Requests):
     def get(self, digest: Digest, *, verify: bool = True, hold=None, rehash: bool = False) -> bytes:
         """The raw bytes of *digest*, verified: from the cache, else from the bucket
         (*verify*, *hold* and *rehash* as for LocalBlobStore.get)."""
+        return self._get(digest, lambda frame: decode_verified(digest, frame, self.max_raw, verify, hold,
+                                                               rehash=rehash))
+
+    def get_view(self, digest: Digest, *, hold=None) -> bytes | memoryview:
+        """:meth:`get`, verified, a large page's bytes in a read-only view (LocalBlobStore.get_view)."""
+        return self._get(digest, lambda frame: decode_verified_view(digest, frame, self.max_raw, hold))
+
+    def _get(self, digest: Digest, decode: Callable[[bytes], Any]) -> Any:
         frame = self.cache.get(digest)
         if frame is not None:
             try:
-                return decode_verified(digest, frame, self.max_raw, verify, hold, rehash=rehash)
+                return decode(frame)
             except CorruptBlob:
                 self.cache.discard(digest)  # a damaged cache entry: the bucket has the blob
         frame = self._download(digest)
-        raw = decode_verified(digest, frame, self.max_raw, verify, hold, rehash=rehash)
+        raw = decode(frame)
         self._cache_frame(digest, frame)
         return raw
 
