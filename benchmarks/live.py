@@ -162,7 +162,8 @@ def main() -> int:
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="pffs-live-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    (work / "m").mkdir(exist_ok=True)
+    shutil.rmtree(work / "m", ignore_errors=True)    # (a run before, in the same --dir)
+    (work / "m").mkdir()
     mnt = Mount(work / "m").start()
     rows = []
     try:
@@ -172,8 +173,7 @@ def main() -> int:
         mnt.cleanup()
         if rc != 0:
             print(f"warning: the pffs daemon exited {rc}", file=sys.stderr)
-        if args.dir is None:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work / "m" if args.dir else work, ignore_errors=True)
     report(rows)
     return 0
 
