@@ -9,7 +9,7 @@ sequence over every block in shuffled order.  Prints MB/s of:
 - page-out (gather -> staging -> sha256 -> file) and page-in (file ->
   sha256 -> staging -> scatter) through each sink (``--sink``; ``dir`` is
   a plain local directory, ``mount`` a pffs mount started for the run,
-  ``store`` an unmounted store written with pffs.offline, and, while
+  ``store`` an unmounted store written with pffs.client.offline, and, while
   StoreSessionSink takes pages from one thread, ``store-threads`` the same
   sink taking them from the bridge's I/O threads); each repetition writes
   into a fresh place, so blobs are always compressed and stored anew;
@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 
 from engine_bridge import (Bridge, DirSink, DirSource, KVPool, MemorySession,  # noqa: E402
                            RefCountingAllocator, SeqBlocks, store_access)
-from engine_bridge.pool import VLLM_ORDERS, VllmKVPool  # noqa: E402
-from engine_bridge.reference import ModelConfig, ReferenceEngine  # noqa: E402
+from engine_bridge.core.pool import VLLM_ORDERS, VllmKVPool  # noqa: E402
+from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine  # noqa: E402
 from pffs import codec  # noqa: E402
-from pffs.offline import StoreSessionSink, StoreSessionSource  # noqa: E402
+from pffs.client.offline import StoreSessionSink, StoreSessionSource  # noqa: E402
 
 KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"
 GEOMETRIES = {
@@ -95,7 +95,7 @@ def mount_sink(root: Path):
 
 @contextlib.contextmanager
 def direct_sink(root: Path):
-    """The same mount, page bytes straight to and from its store (engine_bridge.direct)."""
+    """The same mount, page bytes straight to and from its store (engine_bridge.transport.blobpath)."""
     with _mounted(root) as m:
         if store_access(m.path) is None:
             raise SystemExit("the direct path is not open on the benchmark's mount")
@@ -152,7 +152,7 @@ def s3_mount_sink(root: Path):
 
 @contextlib.contextmanager
 def s3_direct_sink(root: Path):
-    """The same, page bytes straight to and from the bucket (engine_bridge.direct); page-in cold."""
+    """The same, page bytes straight to and from the bucket (engine_bridge.transport.blobpath); page-in cold."""
     with _s3_mounted(root) as (m, cold):
         access = store_access(m.path)
         if access is None or access.kind != "s3":

@@ -131,7 +131,7 @@ def quick_forks(m, name: str, n: int, local: Path, tag: str = "") -> tuple[float
     fork into an empty pages/ is one row until then) beside a second one."""
     src = m / name
     t_cmd = timed(lambda: sh(*PFFS, "fork", str(src), str(m / f"{name}-fork{tag}")))
-    t_inproc = timed(lambda: __import__("pffs.tools", fromlist=["fork"]).fork(
+    t_inproc = timed(lambda: __import__("pffs.client.mounted", fromlist=["fork"]).fork(
         str(src), str(m / f"{name}-fork2{tag}")))
 
     def recipe(a: Path, b: Path):

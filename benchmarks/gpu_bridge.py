@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine_bridge import (Bridge, KVPool, MemorySession, RefCountingAllocator,  # noqa: E402
                            SeqBlocks)
-from engine_bridge.reference import ReferenceEngine  # noqa: E402
+from engine_bridge.reference.reference_engine import ReferenceEngine  # noqa: E402
 from pffs.types import Digest, digest_of  # noqa: E402
 
 GEOM = dict(block_size=16, n_layers=32, n_heads=8, head_dim=128)

@@ -5,7 +5,7 @@ An engine (a KV pool with Llama-3.1-8B's geometry: 32 layers, 8 KV heads,
 head_dim 128, bf16, 16-token blocks, so 2 MiB pages) holds one sequence over
 --mib MiB of blocks in shuffled order, filled with real bf16 KV values (the
 tests' MiniLM data, tiled).  It attaches to a pffs mount started for the run,
-in this process, through engine_bridge.agent.  Prints MB/s of:
+in this process, through engine_bridge.attach.agent.  Prints MB/s of:
 
 - bridge page-out into memory (gather + sha256: the floor of any snapshot);
 - bridge page-out through the mount into the store (a session written by the engine);
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from engine_bridge import Bridge, KVPool, MemorySession, RefCountingAllocator, SeqBlocks  # noqa: E402
-from engine_bridge.agent import Agent, StepLock  # noqa: E402
+from engine_bridge.attach.agent import Agent, StepLock  # noqa: E402
 from mountutil import Mount, wait_for  # noqa: E402
 
 KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"

@@ -16,16 +16,16 @@ filesystem.  Layout of the package:
 - :mod:`.errors` — why a page-in is refused
 """
 
-from .allocator import RefCountingAllocator
-from .bridge import SUPPORTED_LAYOUTS, Bridge, PageInResult, SeqBlocks, config_sha256
-from .direct import DirectSink, DirectSource, as_sink, as_source, store_access
-from .errors import (BridgeError, DamagedPage, DigestMismatch, IncompleteSession, InvalidSession,
+from engine_bridge.core.allocator import RefCountingAllocator
+from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, Bridge, PageInResult, SeqBlocks, config_sha256
+from engine_bridge.transport.blobpath import DirectSink, DirectSource, as_sink, as_source, store_access
+from engine_bridge.errors import (BridgeError, DamagedPage, DigestMismatch, IncompleteSession, InvalidSession,
                      MismatchError, ModelMismatch, NoFreeBlocks, PageError, PageInError,
                      PageOutError, Refused, SourceChanged, WrongSizePage)
-from .pool import (DEFAULT_KV, FLASH_ATTN, FLASHINFER, FLASHINFER_HND, LAYOUTS, BlockAllocator,
+from engine_bridge.core.pool import (DEFAULT_KV, FLASH_ATTN, FLASHINFER, FLASHINFER_HND, LAYOUTS, BlockAllocator,
                    BlockId, KVLayout, KVPool, dtype_name)
-from .sessions import DIGEST_XATTR, DirSink, DirSource, MemorySession, SessionSink, SessionSource
-from .staging import DEFAULT_STAGING_BYTES, Staging
+from engine_bridge.transport.folders import DIGEST_XATTR, DirSink, DirSource, MemorySession, SessionSink, SessionSource
+from engine_bridge.core.staging import DEFAULT_STAGING_BYTES, Staging
 
 __all__ = [
     "Bridge", "PageInResult", "SeqBlocks", "config_sha256", "SUPPORTED_LAYOUTS",

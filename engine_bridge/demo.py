@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
+from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine
 from pffs.errors import PffsError
-
-from .reference import ModelConfig, ReferenceEngine
 
 ENGINES = ("reference", "transformers")
 SEED = 1234
@@ -54,7 +53,7 @@ def check_engine(engine: str) -> None:
         raise PffsError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
     if engine == "transformers":
         try:
-            from . import transformers_adapter  # noqa: F401
+            from engine_bridge.transformers import transformers_adapter  # noqa: F401
         except ImportError as e:
             raise PffsError(f"the transformers engine is not available: {e}") from None
 
@@ -70,7 +69,7 @@ def _engines(engine: str, cfg: ModelConfig, dtype: str, n_tokens: int):
         check_engine(engine)
         import transformers
 
-        from .transformers_adapter import TransformersEngine, llama_model
+        from engine_bridge.transformers.transformers_adapter import TransformersEngine, llama_model
 
         def make(name: str):
             return TransformersEngine(llama_model(cfg, dtype=dtype, seed=SEED), num_blocks=256,

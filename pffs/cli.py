@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from . import __version__
-from .errors import PffsError
+from pffs import __version__
+from pffs.errors import PffsError
 
 TYPE_CHECKING = False   # (typing.TYPE_CHECKING, without importing typing: see main)
 if TYPE_CHECKING:
@@ -43,14 +43,14 @@ class Progress:
 
 
 def _store(args):
-    from .storedir import StoreDir
+    from pffs.store.storedir import StoreDir
     return StoreDir(args.store, getattr(args, "codec", None))
 
 
 def cmd_stats(args) -> int:
     import json
 
-    from . import namespace
+    from pffs import namespace
     if args.mountpoint:
         path = os.path.join(args.mountpoint, ".pffs", "stats.json")
         try:
@@ -84,9 +84,9 @@ def cmd_check(args) -> int:
 def check_store(store, *, read_data: bool = False, repair: bool = False,
         progress: Callable[[int, int], None] | None = None, out=print) -> int:
     """``pffs check``: lock the unmounted store, check (and repair), print; the exit status."""
-    from . import namespace as ns
-    from .fsck import check
-    from .repair import repair as do_repair
+    from pffs import namespace as ns
+    from pffs.maint.check import check
+    from pffs.maint.repair import repair as do_repair
     # Without its database a store is still one if it has blobs or snapshots: repair rebuilds it.
     rebuildable = store.snapshot_dir.is_dir() or store.blobs.blob_root.is_dir()
     if not store.exists() and not (repair and rebuildable):
@@ -125,10 +125,10 @@ def check_store(store, *, read_data: bool = False, repair: bool = False,
 
 
 def cmd_gc(args) -> int:
-    from . import gc
-    from .store.s3 import is_remote
+    from pffs.maint import gc
+    from pffs.store.s3 import is_remote
     if is_remote(args.store):
-        from . import remote
+        from pffs.bucket import transfer as remote
         rb = remote.collect_cli(args.store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
                                 progress=Progress("sweeping the bucket"))
         print(f"gc: {rb.summary()}")
@@ -140,13 +140,13 @@ def cmd_gc(args) -> int:
 
 
 def cmd_prune(args) -> int:
-    from . import gc, prune
-    from .storedir import StoreDir
+    from pffs.maint import gc, prune
+    from pffs.store.storedir import StoreDir
     older = gc.parse_duration(args.older_than) if args.older_than is not None else None
     _, store = prune.prune(args.path, keep_last=args.keep_last, older_than=older, dry_run=args.dry_run)
-    from .store.s3 import is_remote
+    from pffs.store.s3 import is_remote
     if is_remote(store):
-        from . import remote
+        from pffs.bucket import transfer as remote
         summary = remote.collect_cli(store, grace=gc.parse_duration(args.grace), dry_run=args.dry_run,
                                      progress=Progress("sweeping the bucket")).summary()
     else:
@@ -158,14 +158,14 @@ def cmd_prune(args) -> int:
 
 def cmd_mount(args) -> int:
     if args.foreground and args.own_process:
-        from . import heap
+        from pffs.daemon import heap
         heap.reexec_with_thp()   # (before the daemon's imports: its malloc settings)
-    from . import daemon
+    from pffs.daemon import mount as daemon
     opts = daemon.parse_options(args.o)
     store = args.store
     if args.cache or (store or "").startswith("s3://"):
-        from .store.s3 import url_of
-        from .storedir import StoreDir
+        from pffs.store.s3 import url_of
+        from pffs.store.storedir import StoreDir
         if url_of(store) is None:
             raise PffsError("--cache is for s3:// stores (a local store is its own folder)")
         # Bind the cache folder to the bucket; the daemon then opens the store by its folder.
@@ -177,13 +177,13 @@ def cmd_mount(args) -> int:
 
 
 def cmd_umount(args) -> int:
-    from . import tools
+    from pffs.client import mounted as tools
     tools.umount(args.mountpoint)
     return 0
 
 
 def cmd_fork(args) -> int:
-    from .forks import fork
+    from pffs.client.fork import fork
     n = fork(args.src, args.dst)
     print(f"{args.dst}: forked from {args.src}, {n} pages")
     return 0
@@ -199,7 +199,7 @@ class _ForkArgs:
 
 
 def cmd_seal(args) -> int:
-    from . import tools
+    from pffs.client import mounted as tools
     n, changed = tools.seal(args.session)
     print(f"{args.session}: manifest.json lists {n} pages ({changed} changed)")
     return 0
@@ -221,7 +221,8 @@ def cmd_demo(args) -> int:
     import subprocess
     from pathlib import Path
 
-    from . import daemon, tools
+    from pffs.client import mounted as tools
+    from pffs.daemon import mount as daemon
     demo = [sys.executable, "-m", "engine_bridge.demo", "--engine", args.engine]
     # The engine is checked before anything is mounted: one line if it cannot run here.
     r = subprocess.run(demo + ["--check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -234,7 +235,7 @@ def cmd_demo(args) -> int:
     else:
         mnt.mkdir(parents=True, exist_ok=True)
         daemon.spawn(args.store, str(mnt), [])
-        from .storedir import StoreDir
+        from pffs.store.storedir import StoreDir
         print(f"mounted store {StoreDir(args.store).root} on {mnt}", flush=True)
     rc = subprocess.run(demo + ["--dtype", args.dtype, "--tokens", str(args.tokens), str(mnt)]).returncode
     print(f"\nthe mount stays up: try ls -l {mnt}/demo/a/pages, cat {mnt}/demo/a/manifest.json;"
@@ -316,9 +317,9 @@ def _prune_args(s) -> None:
 
 
 def _remote(name: str):
-    """A command of pffs.remote, imported when it runs (S3 clients are slow to import)."""
+    """A command of pffs.bucket.transfer, imported when it runs (S3 clients are slow to import)."""
     def run(args):
-        from . import remote
+        from pffs.bucket import transfer as remote
         return getattr(remote, name)(args)
     return run
 

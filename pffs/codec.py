@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
-from .errors import CodecError
+from pffs.errors import CodecError
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor

@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import PffsError
-from .layout import MANIFEST_NAME, PAGES_DIR  # noqa: F401 (part of this module's interface)
-from .types import Digest, PageIndex, is_digest
+from pffs.errors import PffsError
+from pffs.names import MANIFEST_NAME, PAGES_DIR  # noqa: F401 (part of this module's interface)
+from pffs.types import Digest, PageIndex, is_digest
 
 LAYOUTS = ("paged-batchinvariant-v1",)
 DEFAULT_LAYOUT = LAYOUTS[0]

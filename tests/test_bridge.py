@@ -17,8 +17,8 @@ from engine_bridge import (Bridge, DigestMismatch, DirSink, DirSource, Incomplet
                            InvalidSession, KVPool, MemorySession, MismatchError, ModelMismatch,
                            NoFreeBlocks, PageOutError, RefCountingAllocator, Refused, SeqBlocks,
                            SourceChanged, Staging, WrongSizePage)
-from engine_bridge.reference import ModelConfig, ReferenceEngine
-from engine_bridge.sessions import DIGEST_XATTR
+from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine
+from engine_bridge.transport.folders import DIGEST_XATTR
 from pffs.manifest import page_name, parse
 
 PROMPTS = {
@@ -568,7 +568,7 @@ def test_threads_take_pages_in_turn_and_small_pages_page_in_on_one(monkeypatch):
     in on one thread, larger ones on io_workers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine_bridge.bridge import PAGE_IN_THREADS_FROM
+    from engine_bridge.core.bridge import PAGE_IN_THREADS_FROM
     submitted: list[str] = []
     real = ThreadPoolExecutor.submit
 

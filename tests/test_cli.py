@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pffs import cli
-from pffs.forks import _json_str
+from pffs.client.fork import _json_str
 
 SAMPLES = [
     ["mount", "-f", "--store", "/s", "-o", "cache_size=1M", "-o", "allow_other", "/m"],

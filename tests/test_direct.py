@@ -1,4 +1,4 @@
-"""The direct data path (engine_bridge.direct): page bytes between the bridge
+"""The direct data path (engine_bridge.transport.blobpath): page bytes between the bridge
 and a mounted store beside the FUSE loop, the mount carrying names only.
 
 Counted FUSE requests, sessions identical to the mount path's, gc racing a
@@ -20,11 +20,11 @@ import torch
 
 from engine_bridge import (Bridge, DamagedPage, DirSink, DirSource, DirectSink, DirectSource,
                            KVPool, RefCountingAllocator, SeqBlocks, store_access)
-from engine_bridge.direct import as_sink, as_source
+from engine_bridge.transport.blobpath import as_sink, as_source
 from mountutil import pffs, wait_for
 from pffs import codec
 from pffs.manifest import page_name
-from pffs.storedir import StoreDir
+from pffs.store.storedir import StoreDir
 
 REPO = Path(__file__).resolve().parent.parent
 GEOM = dict(block_size=16, n_layers=2, n_heads=2, head_dim=8)
@@ -240,7 +240,7 @@ def test_a_direct_page_in_checks_each_frame_by_the_name_it_holds(mnt, monkeypatc
     name and the crc32 instead of hashing each page again (the mount path
     still hashes), and a frame under another page's name is refused naming
     the page."""
-    import engine_bridge.bridge as bridge_mod
+    import engine_bridge.core.bridge as bridge_mod
     from pffs.types import digest_of
     pool = pool_of(8, seed=5)
     br = bridge_of(pool)
@@ -296,7 +296,7 @@ def test_another_uid_without_access_to_the_store_goes_through_the_mount(mount_fa
         "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')\n"
         f"sys.path[:0] = [{str(REPO / 'tests')!r}]\n"
         "from test_direct import pool_of, bridge_of, one_seq\n"
-        "from engine_bridge.direct import as_sink, store_access\n"
+        "from engine_bridge.transport.blobpath import as_sink, store_access\n"
         f"dest = {str(mnt / 'nobody' / 'a')!r}\n"
         "assert store_access(dest) is None\n"
         "pool = pool_of(16, seed=13); br = bridge_of(pool)\n"
@@ -338,10 +338,10 @@ def test_decode_into_gives_the_bytes_decode_gives(bf16_pages):
 
 
 class _Loader:
-    """An engine adapter whose page-ins are kept for the test to check (engine_bridge.agent)."""
+    """An engine adapter whose page-ins are kept for the test to check (engine_bridge.attach.agent)."""
 
     def __init__(self, bridge: Bridge):
-        from engine_bridge.agent import StepLock
+        from engine_bridge.attach.agent import StepLock
         self.bridge = bridge
         self.lock = StepLock()
         self.loaded: list = []
@@ -367,7 +367,7 @@ def test_pages_copied_into_an_engine_are_decoded_ahead_of_their_load(mnt):
     takes those pages (here all of them: the manifest is copied last, once
     they are decoded) and the session goes in bit for bit."""
     from engine_bridge import MemorySession
-    from engine_bridge.agent import Agent
+    from engine_bridge.attach.agent import Agent
     pool = pool_of(12, seed=21)
     br = bridge_of(pool)
     m = br.page_out([one_seq(pool)], mnt / "snap")
@@ -395,7 +395,7 @@ def test_pages_copied_into_an_engine_are_decoded_ahead_of_their_load(mnt):
 def test_pages_decoded_ahead_are_bounded_named_and_dropped(mnt):
     """WarmPages holds at most its limit, decodes only frames that name the
     blob asked for, and drops everything at clear() and after its idle time."""
-    from engine_bridge.warm import WarmPages
+    from engine_bridge.attach.warm import WarmPages
     pool = pool_of(6, seed=23)
     m = bridge_of(pool).page_out([one_seq(pool)], mnt / "s")
     pb = pool.page_bytes

@@ -14,7 +14,7 @@ from pffs import namespace as ns
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
 from pffs.fs.operations import build
-from pffs.storedir import StoreDir
+from pffs.store.storedir import StoreDir
 
 
 @pytest.fixture
@@ -129,8 +129,8 @@ def test_changes_commit_while_the_namespace_is_snapshotted(tmp_path, monkeypatch
     """The periodic snapshot copies the database beside the writers: a change
     commits while the copy is still being made durable."""
     import threading
-    from pffs import snapshots
-    from pffs.daemon import Daemon, MountOptions
+    from pffs.maint import snapshots
+    from pffs.daemon.mount import Daemon, MountOptions
     store = StoreDir(tmp_path / "store")
     store.create()
     ns.open_db(store.root).close()
@@ -171,7 +171,7 @@ def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_pat
     """Past the staging memory budget a write moves the file's staged bytes to
     disk: file I/O of up to a block, in a worker thread, never on the loop."""
     import threading
-    from pffs.fs import staging
+    from pffs.fs import write_stage as staging
     store = StoreDir(tmp_path / "store")
     store.create()
     ns.open_db(store.root).close()
@@ -258,7 +258,7 @@ def test_statfs_counts_inodes_again_only_after_a_change(ops, monkeypatch):
 def test_editing_a_file_of_several_blocks_stages_it_a_block_at_a_time(ops, monkeypatch):
     """Opening a file of three 64 MiB blocks for a 1-byte write stages its bytes
     one block at a time (into the spill file), never the whole file in memory."""
-    from pffs.fs import staging
+    from pffs.fs import write_stage as staging
     from pffs.namespace import BLOCK_SIZE
     zero = bytes(BLOCK_SIZE)
     d = ops.content.blobs.put(zero).digest
@@ -291,7 +291,7 @@ def test_a_small_write_into_a_file_of_several_blocks_commits_that_block_only(ops
     with the change, and its digest (reckoned when asked) is its bytes'."""
     import hashlib
     from pffs.fs import content as content_mod
-    from pffs.fs.tree import DIGEST_XATTR
+    from pffs.fs.namespace_tree import DIGEST_XATTR
     from pffs.namespace import BLOCK_SIZE
     blocks = [bytes([65 + i]) * BLOCK_SIZE for i in range(3)]
     ds = [ops.content.blobs.put(b).digest for b in blocks]

@@ -1,4 +1,4 @@
-"""The daemon's malloc settings (pffs.heap): glibc's huge-page tunable reaches
+"""The daemon's malloc settings (pffs.daemon.heap): glibc's huge-page tunable reaches
 the daemon's process however it is started."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mountutil import is_mounted, lazy_unmount, pffs, wait_for
 
-from pffs import heap
+from pffs.daemon import heap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,7 @@ def test_a_detached_daemon_runs_with_the_tunable(tmp_path):
     try:
         pffs("mount", "--store", store, mp, timeout=60)
         pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                and _cmdline(p).count(str(mp)) and "pffs.daemon" in _cmdline(p)]
+                and _cmdline(p).count(str(mp)) and "pffs.daemon.mount" in _cmdline(p)]
         assert len(pids) == 1
         assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in _environ(pids[0])
         pffs("umount", mp, timeout=60)

@@ -17,7 +17,7 @@ from lifecycle_helpers import run
 from mountutil import pffs
 from pffs import codec
 from pffs import manifest as mf
-from pffs.storedir import StoreDir
+from pffs.store.storedir import StoreDir
 from sessions import digest, varied_pages, write_session
 
 

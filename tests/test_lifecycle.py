@@ -18,7 +18,7 @@ from lifecycle_helpers import copy_file, gc, run, stats
 from mountutil import pffs
 from pffs import manifest as mf
 from pffs import namespace as ns
-from pffs.storedir import StoreDir
+from pffs.store.storedir import StoreDir
 from sessions import digest, make_manifest, varied_pages, write_session
 
 
@@ -629,7 +629,7 @@ def test_the_gc_lock_taken_on_the_event_loop_never_waits(tmp_path):
     it takes nothing and says so at once, and the caller uses a thread."""
     import fcntl
 
-    from pffs.storedir import GC_INTENT_NAME, GC_LOCK_NAME, GcLock
+    from pffs.store.storedir import GC_INTENT_NAME, GC_LOCK_NAME, GcLock
     lock = GcLock(tmp_path)
     gc_fd = os.open(tmp_path / GC_LOCK_NAME, os.O_RDWR | os.O_CREAT)
     intent_fd = os.open(tmp_path / GC_INTENT_NAME, os.O_RDWR | os.O_CREAT)
@@ -659,7 +659,7 @@ def test_the_gc_lock_taken_on_the_event_loop_never_waits(tmp_path):
 
 def test_session_sink_refuses_pages_gc_removed(tmp_path, bf16_pages):
     from pffs.errors import PffsError
-    from pffs.offline import StoreSessionSink, StoreSessionSource
+    from pffs.client.offline import StoreSessionSink, StoreSessionSource
     store = tmp_path / "store"
     pages = varied_pages(bf16_pages, 2, salt=80)
     sink = StoreSessionSink(store, "a")

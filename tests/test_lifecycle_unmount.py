@@ -139,7 +139,7 @@ def test_econnaborted_from_the_session_loop_is_the_end_of_the_session():
     """/dev/fuse answering ECONNABORTED (the kernel aborted the connection) ends
     pyfuse3's loop with that error, inside exception groups: the daemon takes it
     as the end of the session (and commits what is staged), anything else not."""
-    from pffs.daemon import _connection_aborted
+    from pffs.daemon.mount import _connection_aborted
     aborted = ConnectionAbortedError(103, "fuse_session_receive_buf failed")
     assert _connection_aborted(ExceptionGroup("trio", [ExceptionGroup("pyfuse3", [aborted])]))
     assert _connection_aborted(aborted)

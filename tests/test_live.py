@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from engine_bridge.agent import Agent, ReferenceAdapter
-from engine_bridge.reference import ReferenceEngine
+from engine_bridge.attach.agent import Agent, ReferenceAdapter
+from engine_bridge.reference.reference_engine import ReferenceEngine
 from mountutil import pffs as pffs_cli
 from mountutil import wait_for
 from pffs import manifest as mf
@@ -54,7 +54,7 @@ class EngineProc:
         self.stderr_path = mnt.path.parent / f"engine-{name}-{time.monotonic_ns()}.txt"
         self._err = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_bridge.agent", str(mnt.path), "--name", name, "--control",
+            [sys.executable, "-m", "engine_bridge.attach.agent", str(mnt.path), "--name", name, "--control",
              "--blocks", str(blocks), "--staging", staging, "--seed", str(seed)],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
             env={**os.environ, **(env or {})})
@@ -536,7 +536,7 @@ def test_a_reader_keeps_one_snapshot_from_its_listing_to_its_manifest(mnt):
     that snapshot's for as long as it keeps reading, past SNAPSHOT_REUSE
     (cp -r copies pages/ before manifest.json); opening manifest.json again
     gives the session as it is now."""
-    from pffs.live.sessions import SNAPSHOT_REUSE
+    from pffs.live.listings import SNAPSHOT_REUSE
 
     engine = ReferenceEngine(seed=SEED, num_blocks=64)
     adapter = ReferenceAdapter(engine)

@@ -282,7 +282,7 @@ def test_pages_are_stored_ahead_in_the_order_a_copy_asks_for_them():
     time, page 0 first) finds its pages stored in that order, a snapshot's
     pages named by the digests its manifest lists."""
     from pffs.live.registry import LiveRegistry
-    from pffs.live.sessions import Snapshot
+    from pffs.live.listings import Snapshot
     from pffs.live.view import STORE_AT_ONCE, LiveView
 
     started: list[int] = []

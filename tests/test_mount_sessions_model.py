@@ -22,7 +22,7 @@ import pytest
 
 from mountutil import pffs
 from pffs import manifest as mf
-from pffs import tools
+from pffs.client import mounted as tools
 from sessions import digest, make_manifest, varied_pages
 
 OPS = {"new": 3, "fork_cp": 3, "fork_al": 2, "fork_pffs": 3, "fork_meta": 3, "rewrite": 4,

@@ -11,7 +11,7 @@ import pytest
 from mountutil import pffs
 from pffs import manifest as mf
 from pffs.errors import PffsError
-from pffs.offline import StoreSessionSink, StoreSessionSource
+from pffs.client.offline import StoreSessionSink, StoreSessionSource
 from sessions import digest, make_manifest, varied_pages, write_session
 
 

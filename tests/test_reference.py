@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_bridge import NoFreeBlocks, RefCountingAllocator
-from engine_bridge.reference import ModelConfig, ReferenceEngine, weight_shapes
+from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine, weight_shapes
 
 PROMPT_A = [(7 * i + 3) % 512 for i in range(37)]
 PROMPT_B = [(11 * i + 5) % 512 for i in range(21)]

@@ -14,7 +14,7 @@ import torch
 
 from mountutil import pffs, wait_for
 from pffs import manifest as mf
-from pffs.remote import decode_registration
+from pffs.bucket.transfer import decode_registration
 from seaweed import s3_mounts, weed  # noqa: F401  (fixtures)
 from sessions import digest, make_manifest, varied_pages, write_session
 
@@ -155,7 +155,7 @@ IDS = list(PROMPTS)
 
 
 def test_engine_pages_out_on_one_mount_and_in_on_another(weed, s3_mounts):
-    from engine_bridge.reference import ReferenceEngine
+    from engine_bridge.reference.reference_engine import ReferenceEngine
     bucket = weed.make_bucket()
     url = f"s3://{bucket}/kv"
     m1, m2 = s3_mounts("m1", url), s3_mounts("m2", url)

@@ -16,7 +16,7 @@ import pytest
 from pffs import codec
 from pffs.errors import CorruptBlob, MissingBlob, PffsError, StoreUnavailable
 from pffs.store.s3 import S3BlobStore, parse_url, url_of
-from pffs.storedir import StoreDir
+from pffs.store.storedir import StoreDir
 from pffs.types import digest_bytes, digest_hex
 from seaweed import weed  # noqa: F401  (fixture)
 from sessions import digest, varied_pages

@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 from engine_bridge import (IncompleteSession, MismatchError, ModelMismatch, NoFreeBlocks,  # noqa: E402
                            Refused)
 from engine_bridge import demo  # noqa: E402
-from engine_bridge.reference import ModelConfig, ReferenceEngine  # noqa: E402
-from engine_bridge.transformers_adapter import (REQUIRED_VERSION, TransformersEngine,  # noqa: E402
+from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine  # noqa: E402
+from engine_bridge.transformers.transformers_adapter import (REQUIRED_VERSION, TransformersEngine,  # noqa: E402
                                                 llama_model)
 from mountutil import pffs  # noqa: E402
 from pffs.errors import PffsError  # noqa: E402
@@ -242,7 +242,7 @@ def test_page_in_refusals_leave_the_engine_as_it_was(tmp_path):
 
 def test_another_transformers_release_is_refused():
     code = ("import transformers; transformers.__version__ = '5.0.0'\n"
-            "import engine_bridge.transformers_adapter")
+            "import engine_bridge.transformers.transformers_adapter")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "TransformersVersionError" in r.stderr and REQUIRED_VERSION in r.stderr and "5.0.0" in r.stderr
@@ -291,7 +291,7 @@ def _result(manager, rid):
 
 @pytest.mark.parametrize("inference_mode", [False, True])
 def test_running_managers_are_paused_around_the_copies(tmp_path, inference_mode):
-    from engine_bridge.transformers_adapter import TransformersAdapter
+    from engine_bridge.transformers.transformers_adapter import TransformersAdapter
     total = 40
     a, b = _manager(llama_model(seed=SEED)), _manager(llama_model(seed=SEED))
     with torch.inference_mode(inference_mode):

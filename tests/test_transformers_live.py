@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import REPO  # noqa: E402
-from engine_bridge.transformers_adapter import TransformersEngine, llama_model  # noqa: E402
-from engine_bridge.transformers_live import TransformersLiveAdapter  # noqa: E402
+from engine_bridge.transformers.transformers_adapter import TransformersEngine, llama_model  # noqa: E402
+from engine_bridge.transformers.transformers_live import TransformersLiveAdapter  # noqa: E402
 from mountutil import pffs as pffs_cli  # noqa: E402
 from mountutil import wait_for  # noqa: E402
 from pffs import manifest as mf  # noqa: E402
@@ -35,7 +35,7 @@ class TransformersProc(EngineProc):
         self.stderr_path = mnt.path.parent / f"engine-{name}-{time.monotonic_ns()}.txt"
         self._err = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_bridge.transformers_live", str(mnt.path), "--name", name,
+            [sys.executable, "-m", "engine_bridge.transformers.transformers_live", str(mnt.path), "--name", name,
              "--control", "--blocks", str(BLOCKS), "--staging", "1M", "--seed", str(SEED)],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
         self._buf = b""

@@ -14,7 +14,7 @@ import subprocess
 import torch
 
 from engine_bridge import Bridge, RefCountingAllocator
-from engine_bridge.pool import KVPool
+from engine_bridge.core.pool import KVPool
 from mountutil import pffs
 from vllm_helpers import BLOCK, D, H, L, Engine, kv_of
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_bridge.pool import VLLM_ORDERS, VllmKVPool
+from engine_bridge.core.pool import VLLM_ORDERS, VllmKVPool
 
 from vllm_helpers import D, H, L, kv_views, vllm_config
 

@@ -6,6 +6,6 @@ Load it with ``--kv-transfer-config '{"kv_connector": "PffsConnector",
 "kv_connector_extra_config": {"root": "/mnt/kvcache"}}'``.
 """
 
-from .connector import PffsConnector, PffsConnectorMetadata
+from engine_bridge.vllm.connector import PffsConnector, PffsConnectorMetadata
 
 __all__ = ["PffsConnector", "PffsConnectorMetadata"]

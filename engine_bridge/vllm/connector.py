@@ -43,12 +43,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from engine_bridge.core.bridge import (
+    Bridge,
+    SeqBlocks,
+    check_manifest,
+    check_present,
+    hf_config_sha256,
+    read_manifest,
+)
+from engine_bridge.core.pool import DEFAULT_KV, DTYPE_NAMES, BlockId, VllmKVPool
+from engine_bridge.errors import BridgeError
+from engine_bridge.transport.blobpath import as_source
 from pffs.manifest import Manifest
-
-from ..bridge import Bridge, SeqBlocks, check_manifest, check_present, hf_config_sha256, read_manifest
-from ..direct import as_source
-from ..errors import BridgeError
-from ..pool import DEFAULT_KV, DTYPE_NAMES, BlockId, VllmKVPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -11,7 +11,7 @@ import outcome
 import trio
 from pyfuse3 import FUSEError
 
-from ..errors import IntegrityError
+from pffs.errors import IntegrityError
 
 log = logging.getLogger("pffs.fs")
 

@@ -22,16 +22,16 @@ from typing import Any, Callable
 import pyfuse3
 import trio
 
-from .. import codec as codec_mod
-from .. import manifest as mf
-from ..errors import StoreFull
-from ..namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
-from ..store.base import BlobStore
-from ..store.local import PutBatch
-from ..storedir import GcLock
-from ..types import Digest, digest_of
-from .db import WorkerPool
-from .staging import Staging
+from pffs import codec as codec_mod
+from pffs import manifest as mf
+from pffs.errors import StoreFull
+from pffs.fs.db import WorkerPool
+from pffs.fs.write_stage import Staging
+from pffs.namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
+from pffs.store.base import BlobStore
+from pffs.store.local import PutBatch
+from pffs.store.storedir import GcLock
+from pffs.types import Digest, digest_of
 
 # Blocks compressed beside their hashing (see ContentStore._hash_and_put):
 # page-sized ones; smaller ones are not worth the hand-off, and large blocks
@@ -130,7 +130,7 @@ class ContentStore:
         self.sync_on_close = sync_on_close
         self.pending = pending if pending is not None else PutBatch()
         # The store's gc lock, held shared from a blob's existence check to the
-        # commit naming it (see pffs.gc), and a recount of stored bytes from the
+        # commit naming it (see pffs.maint.gc), and a recount of stored bytes from the
         # namespace (gc frees behind our back).
         self.gc_lock = gc_lock
         self.recount = recount
@@ -145,7 +145,7 @@ class ContentStore:
         # adopt(pages) gives the page digests a manifest lists that the
         # namespace does not know yet a blob row each when the store holds them
         # (a local store: blob files an engine's bridge put beside the mount,
-        # pffs.fs.direct; an S3 store: the bucket's, pffs.lease), so that forks
+        # pffs.fs.adoption; an S3 store: the bucket's, pffs.bucket.lease), so that forks
         # find them.  From a bucket (``blobs.remote``) a fork's pages are
         # adopted at the manifest's close even for bytes accepted before.
         self.adopt = adopt
@@ -320,7 +320,7 @@ class ContentStore:
     def adopt_stored(self, digests: Sequence[str]) -> None:
         """In a commit thread: blobs a live engine put in the (local) store
         itself, a snapshot's pages for a copy out of engines/, given rows and
-        made durable with the daemon's own (see pffs.fs.direct.LocalAdopter);
+        made durable with the daemon's own (see pffs.fs.adoption.LocalAdopter);
         a copy then names them (name_if_stored), or copies the bytes where
         one is gone by then."""
         assert self.adopt is not None

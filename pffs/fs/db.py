@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator
 import outcome
 import trio
 
-from .. import namespace
-from ..errors import StoreFull
+from pffs import namespace
+from pffs.errors import StoreFull
 
 
 class WorkerPool:
@@ -197,7 +197,7 @@ class Database:
             try:
                 return self._transaction(fn, args)
             except sqlite3.OperationalError as e:
-                # Disk full: give up the store's reserve (pffs.reserve) and
+                # Disk full: give up the store's reserve (pffs.daemon.reserve) and
                 # try once more, so that deletions commit on a full disk.
                 if not namespace.is_disk_full(e):
                     raise

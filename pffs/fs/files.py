@@ -1,6 +1,6 @@
 """Open files of the namespace: handles, staged writes, and their commits.
 
-A file changed through a handle is staged (``pffs.fs.staging.Staging``):
+A file changed through a handle is staged (``pffs.fs.write_stage.Staging``):
 its bytes are kept in memory or a spill file until a flush, fsync or the
 last close commits them (``ContentStore.store``: blobs first, then the
 namespace rows, in one transaction).  ``InodeState.lock`` orders the writes
@@ -21,17 +21,17 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from .. import manifest as mf
-from .. import namespace as ns
-from ..errors import StoreFull, StoreUnavailable
-from ..namespace import BLOCK_SIZE, BlobRow, FsError
-from .blobcache import BlobReader
-from .content import AcceptedManifest, ContentStore, StoredContent
-from .copies import copy_pieces
-from .db import Database
-from .inodes import InodeState, InodeTable, Invalidator
-from .prefetch import Prefetch
-from .staging import MemoryBudget, Staging, journal_inode
+from pffs import manifest as mf
+from pffs import namespace as ns
+from pffs.errors import StoreFull, StoreUnavailable
+from pffs.fs.blobcache import BlobReader
+from pffs.fs.content import AcceptedManifest, ContentStore, StoredContent
+from pffs.fs.copies import copy_pieces
+from pffs.fs.db import Database
+from pffs.fs.inodes import InodeState, InodeTable, Invalidator
+from pffs.fs.prefetch import Prefetch
+from pffs.fs.write_stage import MemoryBudget, Staging, journal_inode
+from pffs.namespace import BLOCK_SIZE, BlobRow, FsError
 
 log = logging.getLogger("pffs.fs")
 

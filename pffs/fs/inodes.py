@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import pyfuse3
 import trio
 
-from .. import namespace as ns
-from .db import Database
-from .staging import Staging
+from pffs import namespace as ns
+from pffs.fs.db import Database
+from pffs.fs.write_stage import Staging
 
 log = logging.getLogger("pffs.fs")
 

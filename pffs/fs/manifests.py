@@ -22,15 +22,15 @@ from typing import Any
 import trio
 from pyfuse3 import FUSEError
 
-from .. import manifest as mf
-from .. import namespace as ns
-from ..namespace import FsError
-from .blobcache import BlobReader
-from .content import ContentStore
-from .db import Database
-from .files import Files
-from .inodes import InodeTable, Invalidator
-from .trees import reserved
+from pffs import manifest as mf
+from pffs import namespace as ns
+from pffs.fs.blobcache import BlobReader
+from pffs.fs.content import ContentStore
+from pffs.fs.db import Database
+from pffs.fs.files import Files
+from pffs.fs.inodes import InodeTable, Invalidator
+from pffs.fs.routing import reserved
+from pffs.namespace import FsError
 
 log = logging.getLogger("pffs.fs")
 

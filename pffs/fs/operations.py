@@ -1,5 +1,5 @@
 """pyfuse3's Operations: each FUSE request routed, by the one table in
-pffs.fs.trees, to the tree that owns its inode or handle, with the tree's
+pffs.fs.routing, to the tree that owns its inode or handle, with the tree's
 errors mapped to errnos in one place (``handler``).
 
 ``build`` is the composition root of the handlers: it makes every part and
@@ -18,20 +18,18 @@ from dataclasses import dataclass
 import pyfuse3
 from pyfuse3 import FUSEError
 
-from .. import namespace as ns
-from ..errors import StoreFull, StoreUnavailable
-from ..namespace import FsError
-from ..store.local import LocalBlobStore
-from .blobcache import BlobCache, BlobReader
-from .content import ContentStore
-from .copies import copy_pieces
-from .db import Database
-from .files import NOFLUSH, Files
-from .inodes import InodeTable, Invalidator
-from .manifests import Manifests
-from .prefetch import Prefetch
-from .tree import NamespaceTree
-from .trees import (
+from pffs import namespace as ns
+from pffs.errors import StoreFull, StoreUnavailable
+from pffs.fs.blobcache import BlobCache, BlobReader
+from pffs.fs.content import ContentStore
+from pffs.fs.copies import copy_pieces
+from pffs.fs.db import Database
+from pffs.fs.files import NOFLUSH, Files
+from pffs.fs.inodes import InodeTable, Invalidator
+from pffs.fs.manifests import Manifests
+from pffs.fs.namespace_tree import NamespaceTree
+from pffs.fs.prefetch import Prefetch
+from pffs.fs.routing import (
     DIR_HANDLES,
     ENGINES,
     FILE_HANDLES,
@@ -44,7 +42,9 @@ from .trees import (
     Tree,
     tree_of,
 )
-from .virtual import EnginesTree, PffsTree
+from pffs.fs.virtual import EnginesTree, PffsTree
+from pffs.namespace import FsError
+from pffs.store.local import LocalBlobStore
 
 log = logging.getLogger("pffs.fs")
 

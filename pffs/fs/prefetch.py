@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import outcome
 
-from .. import manifest as mf
-from .. import namespace as ns
-from .blobcache import BlobReader
-from .db import Database, WorkerPool
+from pffs import manifest as mf
+from pffs import namespace as ns
+from pffs.fs.blobcache import BlobReader
+from pffs.fs.db import Database, WorkerPool
 
 PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
 ALONE_FROM = 512 << 10  # blobs of this many bytes and more are fetched one a job (see Prefetch)

@@ -3,7 +3,7 @@
 ``.pffs`` is not listed in the root but can be reached by name.  It holds
 ``stats.json`` (contract §4 figures, computed at open, and a count of the FUSE
 requests served, by operation), ``version``, ``store.json`` (where the store
-is, for engines' bridges on this host: pffs.fs.direct) and ``engine.sock``
+is, for engines' bridges on this host: pffs.fs.adoption) and ``engine.sock``
 (a symlink to the live-engine socket in the store folder).
 
 ``EnginesTree`` serves ``engines/`` (pffs.live.view) in the same handler
@@ -20,20 +20,20 @@ import stat
 import pyfuse3
 from pyfuse3 import FUSEError
 
-from .. import __version__
-from .. import namespace as ns
-from .blobcache import BlobReader
-from .db import Database
-from .files import NOFLUSH
-from .manifests import LOAD_XATTR, SAVE_XATTR
-from .trees import ROOT, VIRT_BASE, Tree
+from pffs import __version__
+from pffs import namespace as ns
+from pffs.fs.blobcache import BlobReader
+from pffs.fs.db import Database
+from pffs.fs.files import NOFLUSH
+from pffs.fs.manifests import LOAD_XATTR, SAVE_XATTR
+from pffs.fs.routing import ROOT, VIRT_BASE, Tree
 
 PFFS_DIR = VIRT_BASE + 1
 STATS = VIRT_BASE + 2
 VERSION = VIRT_BASE + 3
 SOCK = VIRT_BASE + 4
 STORE = VIRT_BASE + 5
-FH_BASE = VIRT_BASE      # (pffs.fs.trees.FILE_HANDLES)
+FH_BASE = VIRT_BASE      # (pffs.fs.routing.FILE_HANDLES)
 
 _FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK, b"store.json": STORE}
 
@@ -51,7 +51,7 @@ class PffsTree(Tree):
         self.named = named if named is not None else {}   # (pffs.fs.content.ContentStore.named)
         self.store_root = store_root
         self.socket_path = socket_path.encode()
-        self.store_json = store_json         # (pffs.fs.direct.store_info)
+        self.store_json = store_json         # (pffs.fs.adoption.store_info)
         self.handles: dict[int, bytes] = {}
         self._next_fh = FH_BASE
         self._t = ns.now_ns()

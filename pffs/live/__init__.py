@@ -1,7 +1,7 @@
 """Live engines: the engine socket, ``MNT/engines/`` and page-in by copy (contract §3, §5).
 
 - :mod:`.protocol` — messages and descriptors on the socket (stdlib only; the
-  engine-side agent, ``engine_bridge.agent``, uses it too)
+  engine-side agent, ``engine_bridge.attach.agent``, uses it too)
 - :mod:`.channel` — the daemon's end of a connection, on trio
 - :mod:`.registry` — the attached engines by name and inode key, and their budgets
 - :mod:`.server` — the socket, who may attach, registration

@@ -7,7 +7,7 @@ from typing import Any
 
 import trio
 
-from .protocol import (
+from pffs.live.protocol import (
     _CMSG_SPACE,
     HEADER,
     MAX_MESSAGE,

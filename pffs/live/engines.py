@@ -31,15 +31,15 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..namespace import BlobRow
-from ..types import Digest, PageIndex, digest_of, is_digest
-from .channel import TrioChannel
-from .errors import EngineError, EngineGone, EngineRefused, unwrap
-from .incoming import memfd_with
-from .protocol import ProtocolError
-from .registry import LiveRegistry, Registration
-from .sessions import EngineSessions, SessionEntry, Snapshot
-from .slots import SlotCache
+from pffs.live.channel import TrioChannel
+from pffs.live.errors import EngineError, EngineGone, EngineRefused, unwrap
+from pffs.live.incoming import memfd_with
+from pffs.live.listings import EngineSessions, SessionEntry, Snapshot
+from pffs.live.protocol import ProtocolError
+from pffs.live.registry import LiveRegistry, Registration
+from pffs.live.slots import SlotCache
+from pffs.namespace import BlobRow
+from pffs.types import Digest, PageIndex, digest_of, is_digest
 
 T = TypeVar("T")
 
@@ -135,7 +135,7 @@ class LiveEngine(EngineSessions):
 
     def warm(self, digest: str) -> None:
         """A page file being copied into this engine's folder holds blob *digest*:
-        tell the engine, which decodes it ahead of the load (engine_bridge.warm).
+        tell the engine, which decodes it ahead of the load (engine_bridge.attach.warm).
         No answer is awaited; digests told while one message is on its way go
         in the next."""
         if not self.alive or not self.reg.info.get("warms"):

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from pyfuse3 import FUSEError
 
-from ..types import InodeNo, PageIndex
-from .errors import EngineError
-from .incoming import IncomingSession, Node
-from .sessions import SessionEntry, Snapshot
+from pffs.live.errors import EngineError
+from pffs.live.incoming import IncomingSession, Node
+from pffs.live.listings import SessionEntry, Snapshot
+from pffs.types import InodeNo, PageIndex
 
 
 def _errors(fn):

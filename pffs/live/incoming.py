@@ -18,8 +18,8 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from .. import manifest as mf
-from ..namespace import now_ns
+from pffs import manifest as mf
+from pffs.namespace import now_ns
 
 PAGES = mf.PAGES_DIR.encode()
 MANIFEST = mf.MANIFEST_NAME.encode()

@@ -1,6 +1,6 @@
 """The live-engine wire protocol: length-prefixed JSON messages over a Unix socket.
 
-Only the standard library: the engine-side agent (engine_bridge.agent) and
+Only the standard library: the engine-side agent (engine_bridge.attach.agent) and
 the daemon (pffs.live.server) both use it.  A message is a 4-byte
 little-endian length and that many bytes of UTF-8 JSON (an object).  File
 descriptors ride along as SCM_RIGHTS ancillary data on the message's first

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import trio
 
 Engine = TypeVar("Engine")      # pffs.live.engines.LiveEngine
-Entry = TypeVar("Entry")        # pffs.live.sessions.SessionEntry
+Entry = TypeVar("Entry")        # pffs.live.listings.SessionEntry
 
 INCOMING_LIMIT = 2 << 30    # bytes of sessions being copied into engines, all engines together
 
@@ -69,7 +69,7 @@ class LiveRegistry(Generic[Engine, Entry]):
         self.incoming_gone: Callable[[int, int, str, list[bytes]], None] = lambda *a: None
         #: awaited with (session, n) when the kernel may keep the attributes of
         #: pages 0..n-1 of a live session no longer (pffs.live.view: it
-        #: forgets them; see pffs.live.sessions.EngineSessions.keep_page_attrs)
+        #: forgets them; see pffs.live.listings.EngineSessions.keep_page_attrs)
         self.forget_pages: Callable[[Entry, int], Awaitable[None]] | None = None
 
     def new_key(self, obj: Engine | Entry) -> int:

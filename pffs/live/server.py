@@ -21,11 +21,18 @@ from pathlib import Path
 
 import trio
 
-from .. import manifest as mf
-from .channel import TrioChannel
-from .engines import LiveEngine, Registry
-from .protocol import PROTOCOL_VERSION, ProtocolError, ShortPath, close_fds, peer_credentials, valid_name
-from .registry import Registration
+from pffs import manifest as mf
+from pffs.live.channel import TrioChannel
+from pffs.live.engines import LiveEngine, Registry
+from pffs.live.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    ShortPath,
+    close_fds,
+    peer_credentials,
+    valid_name,
+)
+from pffs.live.registry import Registration
 
 log = logging.getLogger("pffs.live")
 

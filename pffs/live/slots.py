@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import trio
 
-from ..types import PageIndex
+from pffs.types import PageIndex
 
 FREE, LOADING, READY = range(3)
 

@@ -1,6 +1,6 @@
 """``MNT/engines/``: live sessions of attached engines, and sessions copied into them.
 
-Inode numbers (pffs.fs.trees.INODES: the ENGINES range): key 0 is
+Inode numbers (pffs.fs.routing.INODES: the ENGINES range): key 0 is
 ``engines/``; each engine and each session name gets a key of its own, and
 key *k* owns ``LIVE_BASE + k * SPAN`` and up::
 
@@ -41,27 +41,27 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from .. import manifest as mf
-from ..fs.files import NOFLUSH
-from ..fs.trees import LIVE_BASE, LIVE_END, LIVE_HANDLES
-from ..namespace import ROOT_INODE, BlobRow, now_ns
-from ..types import FileHandle, InodeNo, PageIndex
-from .engines import LiveEngine, Registry
-from .errors import EngineGone, EngineRefused
-from .handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
-from .incoming import MANIFEST, PAGES, Node
-from .sessions import LIST_TTL, EngineSessions, SessionEntry, Snapshot
-from .writes import _PARSE_INLINE, IncomingWrites  # noqa: F401 (_PARSE_INLINE: still importable here)
+from pffs import manifest as mf
+from pffs.fs.files import NOFLUSH
+from pffs.fs.routing import LIVE_BASE, LIVE_END, LIVE_HANDLES
+from pffs.live.engines import LiveEngine, Registry
+from pffs.live.errors import EngineGone, EngineRefused
+from pffs.live.handles import _TGID_TTL, DirHandle, Handle, _errors, _pid, _tgids  # noqa: F401 (_TGID_TTL, _tgids)
+from pffs.live.incoming import MANIFEST, PAGES, Node
+from pffs.live.listings import LIST_TTL, EngineSessions, SessionEntry, Snapshot
+from pffs.live.writes import _PARSE_INLINE, IncomingWrites  # noqa: F401 (_PARSE_INLINE: still importable here)
+from pffs.namespace import ROOT_INODE, BlobRow, now_ns
+from pffs.types import FileHandle, InodeNo, PageIndex
 
 if TYPE_CHECKING:
-    from ..fs.inodes import Invalidator
+    from pffs.fs.inodes import Invalidator
 
 log = logging.getLogger("pffs.live")
 
 SPAN = 1 << 25
 PAGE_OFFSET = 1 << 24
 ENGINES_INO = LIVE_BASE
-# File and folder handles are two number spaces (pffs.fs.trees.FILE_HANDLES, DIR_HANDLES).
+# File and folder handles are two number spaces (pffs.fs.routing.FILE_HANDLES, DIR_HANDLES).
 FH_BASE = DH_BASE = LIVE_HANDLES
 ENGINES_NAME = b"engines"
 # Seconds the kernel may keep engines/ and engines/NAME (invalidated at every

@@ -20,19 +20,19 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from .. import manifest as mf
-from ..namespace import now_ns
-from ..types import FileHandle, InodeNo
-from .engines import LiveEngine, Registry
-from .errors import EngineError, EngineRefused
-from .handles import Handle, _errors, _pid
-from .incoming import MANIFEST, IncomingSession, Node
-from .protocol import valid_name
-from .registry import INCOMING_LIMIT
-from .sessions import EngineSessions, SessionEntry
+from pffs import manifest as mf
+from pffs.live.engines import LiveEngine, Registry
+from pffs.live.errors import EngineError, EngineRefused
+from pffs.live.handles import Handle, _errors, _pid
+from pffs.live.incoming import MANIFEST, IncomingSession, Node
+from pffs.live.listings import EngineSessions, SessionEntry
+from pffs.live.protocol import valid_name
+from pffs.live.registry import INCOMING_LIMIT
+from pffs.namespace import now_ns
+from pffs.types import FileHandle, InodeNo
 
 if TYPE_CHECKING:
-    from ..fs.inodes import Invalidator
+    from pffs.fs.inodes import Invalidator
 
 log = logging.getLogger("pffs.live")
 

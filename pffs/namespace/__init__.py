@@ -34,9 +34,9 @@ work as they did when this was one module.
 
 from __future__ import annotations
 
-from .figures import Stats, iter_referenced_blobs, stats
-from .forks import fork_pages
-from .pagelists import (
+from pffs.namespace.figures import Stats, iter_referenced_blobs, stats
+from pffs.namespace.forks import fork_pages
+from pffs.namespace.pagelists import (
     forget_manifest,
     is_folded,
     record_known_manifest,
@@ -45,30 +45,7 @@ from .pagelists import (
     recorded_pages,
     unfold,
 )
-from .schema import (
-    BLOCK_SIZE,
-    BUSY_TIMEOUT_MS,
-    DB_NAME,
-    DENTRY_COLUMNS,
-    EMPTY_DIGEST,
-    INODE_COLUMNS,
-    MAX_FILE_SIZE,
-    MIGRATIONS,
-    ROOT_INODE,
-    SCHEMA,
-    SCHEMA_VERSION,
-    DamagedDatabase,
-    SchemaError,
-    connect,
-    create,
-    is_disk_full,
-    migrate,
-    now_ns,
-    open_db,
-    schema_version,
-    transaction,
-)
-from .tree import (
+from pffs.namespace.rows import (
     INODE_COLS,
     NAME_MAX,
     READDIR_SQL,
@@ -102,6 +79,29 @@ from .tree import (
     set_content,
     touch_dir,
     unlink,
+)
+from pffs.namespace.schema import (
+    BLOCK_SIZE,
+    BUSY_TIMEOUT_MS,
+    DB_NAME,
+    DENTRY_COLUMNS,
+    EMPTY_DIGEST,
+    INODE_COLUMNS,
+    MAX_FILE_SIZE,
+    MIGRATIONS,
+    ROOT_INODE,
+    SCHEMA,
+    SCHEMA_VERSION,
+    DamagedDatabase,
+    SchemaError,
+    connect,
+    create,
+    is_disk_full,
+    migrate,
+    now_ns,
+    open_db,
+    schema_version,
+    transaction,
 )
 
 __all__ = [

@@ -6,7 +6,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..types import Digest
+from pffs.types import Digest
 
 
 @dataclass

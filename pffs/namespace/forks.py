@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlite3
 import stat
 
-from .pagelists import _found_whole, _make_pages, unfold
-from .schema import BLOCK_SIZE, now_ns
-from .tree import get_inode, lookup, touch_dir
+from pffs.namespace.pagelists import _found_whole, _make_pages, unfold
+from pffs.namespace.rows import get_inode, lookup, touch_dir
+from pffs.namespace.schema import BLOCK_SIZE, now_ns
 
 
 def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: int, gid: int,
@@ -22,7 +22,7 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: i
     whatever the page count (see :func:`unfold`).  Otherwise the page files
     are made at once, by three INSERT ... SELECT statements.
     """
-    from ..manifest import PAGES_DIR
+    from pffs.manifest import PAGES_DIR
     pdir = lookup(conn, session_dir, PAGES_DIR.encode())
     if pdir is None or not get_inode(conn, pdir).is_dir:
         return []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 
-from .schema import BLOCK_SIZE
+from pffs.namespace.schema import BLOCK_SIZE
 
 
 def record_manifest(conn: sqlite3.Connection, ino: int, pages: Sequence[str], digest: str) -> None:

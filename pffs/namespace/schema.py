@@ -14,8 +14,8 @@ import stat
 import time
 from pathlib import Path
 
-from ..errors import PffsError
-from ..types import Digest, InodeNo
+from pffs.errors import PffsError
+from pffs.types import Digest, InodeNo
 
 SCHEMA_VERSION = 8
 DB_NAME = "namespace.db"

@@ -1,5 +1,5 @@
 """Blob stores: where the bytes of every file live, named by their sha256."""
 
-from .local import LocalBlobStore, PutBatch, PutResult
+from pffs.store.local import LocalBlobStore, PutBatch, PutResult
 
 __all__ = ["LocalBlobStore", "PutBatch", "PutResult"]

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from .. import codec as codec_mod
-from ..types import Digest
-from .local import PutResult
+from pffs import codec as codec_mod
+from pffs.store.local import PutResult
+from pffs.types import Digest
 
 
 class PutBatch(Protocol):

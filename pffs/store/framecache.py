@@ -8,9 +8,9 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from .. import codec as codec_mod
-from ..types import Digest
-from .local import _TMP_PREFIX, LocalBlobStore
+from pffs import codec as codec_mod
+from pffs.store.local import _TMP_PREFIX, LocalBlobStore
+from pffs.types import Digest
 
 
 class FrameCache:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .. import codec as codec_mod
-from ..errors import CodecError, CorruptBlob, MissingBlob, StoreFull
-from ..types import Digest, digest_bytes, digest_hex, digest_of, is_digest
+from pffs import codec as codec_mod
+from pffs.errors import CodecError, CorruptBlob, MissingBlob, StoreFull
+from pffs.types import Digest, digest_bytes, digest_hex, digest_of, is_digest
 
 if TYPE_CHECKING:
-    from ..reserve import SpaceReserve
+    from pffs.daemon.reserve import SpaceReserve
 
 BLOB_DIR = "blobs"
 _TMP_PREFIX = ".tmp-"
@@ -127,7 +127,7 @@ class LocalBlobStore:
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
         # Set by a mounted daemon: space kept back so deletions can commit
-        # on a full disk (see pffs.reserve); puts refuse to eat into it.
+        # on a full disk (see pffs.daemon.reserve); puts refuse to eat into it.
         self.reserve: SpaceReserve | None = None
 
     def create_dirs(self) -> None:

@@ -5,7 +5,7 @@
     blobs/<2 hex>/<64 hex>   one frame per blob, named by the sha256 of its raw bytes
     trash/<2 hex>/<64 hex>   blobs gc has set aside (read back and restored if still needed)
     manifests/<NAME>         manifests published with ``pffs push`` (the user's bytes)
-    mounts/<ID>              registrations of the stores using the bucket (pffs.remote)
+    mounts/<ID>              registrations of the stores using the bucket (pffs.bucket.transfer)
 
 Each mount keeps its namespace in a local folder (the *cache folder*), beside
 a bounded cache of frames (``blobs/``, LRU by bytes) so that recently written
@@ -34,14 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from .. import codec as codec_mod
-from ..errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
-from ..namespace import BlobRow
-from ..types import Digest, digest_bytes, digest_hex, digest_of, is_digest
-from .framecache import FrameCache, PeekCache
-from .local import PutResult, decode_verified, decode_verified_view, sealed
-from .s3client import DOWN_HOLD, S3Requests, _status
-from .s3config import (
+from pffs import codec as codec_mod
+from pffs.errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
+from pffs.namespace import BlobRow
+from pffs.store.framecache import FrameCache, PeekCache
+from pffs.store.local import PutResult, decode_verified, decode_verified_view, sealed
+from pffs.store.s3client import DOWN_HOLD, S3Requests, _status
+from pffs.store.s3config import (
     _PERSISTED,
     BLOBS,
     CONFIG_NAME,
@@ -57,9 +56,10 @@ from .s3config import (
     read_config,
     url_of,
 )
+from pffs.types import Digest, digest_bytes, digest_hex, digest_of, is_digest
 
 if TYPE_CHECKING:
-    from ..reserve import SpaceReserve
+    from pffs.daemon.reserve import SpaceReserve
 
 __all__ = ["SCHEME", "CONFIG_NAME", "BLOBS", "TRASH", "MANIFESTS", "MOUNTS", "OPTIONS", "DOWN_HOLD",
            "url_of", "parse_url", "is_remote", "default_cache_dir", "read_config", "bind",

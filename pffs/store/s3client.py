@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import PffsError, StoreUnavailable
+from pffs.errors import PffsError, StoreUnavailable
 
 DOWN_HOLD = 1.0
 

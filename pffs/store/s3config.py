@@ -5,7 +5,7 @@
     blobs/<2 hex>/<64 hex>   one frame per blob, named by the sha256 of its raw bytes
     trash/<2 hex>/<64 hex>   blobs gc has set aside (read back and restored if still needed)
     manifests/<NAME>         manifests published with ``pffs push`` (the user's bytes)
-    mounts/<ID>              registrations of the stores using the bucket (pffs.remote)
+    mounts/<ID>              registrations of the stores using the bucket (pffs.bucket.transfer)
 
 Each mount keeps its namespace in a local folder (the *cache folder*); the
 folder's ``remote.json`` binds it to one URL, so every tool given the folder
@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import PffsError
+from pffs.errors import PffsError
 
 SCHEME = "s3://"
 CONFIG_NAME = "remote.json"
@@ -29,7 +29,7 @@ TRASH = "trash/"
 MANIFESTS = "manifests/"
 MOUNTS = "mounts/"
 
-# Mount options (``-o``) that configure the S3 client; ``lease`` is pffs.remote's.
+# Mount options (``-o``) that configure the S3 client; ``lease`` is pffs.bucket.transfer's.
 OPTIONS = ("endpoint", "region", "access_key", "secret_key", "addressing", "s3_timeout",
            "s3_retries", "upload_threads", "lease")
 # Options worth remembering in remote.json for later tools (never secrets).

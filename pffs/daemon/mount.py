@@ -1,0 +1,514 @@
+"""Mount lifecycle: checks, store lock, pyfuse3 session, signals, clean unmount.
+
+``pffs mount`` without ``-f`` starts this module as a detached process and
+waits on a pipe until the mount is ready (or an error line arrives), so the
+command returns 0 only once the filesystem answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import faulthandler
+import logging
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import pyfuse3
+import trio
+
+from pffs import namespace
+from pffs.daemon import heap
+from pffs.errors import PffsError
+from pffs.fs.write_stage import journal_inode
+from pffs.store.local import LocalBlobStore, PutBatch
+from pffs.store.storedir import StoreDir
+
+if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport before it
+    from exceptiongroup import BaseExceptionGroup
+
+if TYPE_CHECKING:
+    from pffs.bucket.lease import RemoteMount
+    from pffs.daemon.reserve import SpaceReserve
+    from pffs.fs.db import Database
+    from pffs.fs.operations import Handlers
+    from pffs.live.server import LiveEngines
+
+log = logging.getLogger("pffs.daemon.mount")
+
+CHECKPOINT_INTERVAL = 30.0
+SYNC_INTERVAL = 0.5
+READ_AHEAD_KB = 1024
+
+
+@dataclass
+class MountOptions:
+    allow_other: bool = False
+    cache_size: int = 128 << 20
+    max_size: int | None = None
+    codec: str | None = None
+    staging_memory: int = 128 << 20
+    snapshot_interval: float = 300.0
+    snapshots_kept: int = 3
+    sync: str = "batch"   # "batch": grouped blob fsyncs every SYNC_INTERVAL; "close": at every close
+    reserve: int = 16 << 20  # disk space held back so deletions commit on a full disk (pffs.daemon.reserve)
+    remote: dict = field(default_factory=dict)  # S3 client and lease options (pffs.store.s3.OPTIONS)
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '4096' → bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise PffsError(f"bad size {text!r} (use e.g. 512M, 2G)")
+    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)])
+
+
+def _s3_options() -> tuple[str, ...]:
+    from pffs.store.s3 import OPTIONS
+    return OPTIONS
+
+
+def parse_options(opts: list[str]) -> MountOptions:
+    o = MountOptions()
+    for group in opts:
+        for item in group.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, _, val = item.partition("=")
+            if key == "allow_other":
+                o.allow_other = True
+            elif key == "cache_size":
+                o.cache_size = parse_size(val)
+            elif key == "max_size":
+                o.max_size = parse_size(val)
+            elif key == "codec":
+                from pffs.codec import parse_codec
+                try:
+                    parse_codec(val)
+                except ValueError as e:
+                    raise PffsError(str(e)) from None
+                o.codec = val
+            elif key == "staging_memory":
+                o.staging_memory = parse_size(val)
+            elif key == "sync":
+                if val not in ("batch", "close"):
+                    raise PffsError("sync= takes batch or close")
+                o.sync = val
+            elif key == "snapshot_interval":
+                o.snapshot_interval = float(val)
+            elif key == "reserve":
+                o.reserve = parse_size(val)
+            elif key in _s3_options():
+                o.remote[key] = val
+            else:
+                raise PffsError(f"unknown mount option {key!r}")
+    return o
+
+
+def check_mountpoint(mp: Path) -> None:
+    """Refuse a missing or busy mount point; clean up one left dead by a killed daemon."""
+    try:
+        os.stat(mp)
+    except FileNotFoundError:
+        raise PffsError(f"{mp}: mount point does not exist") from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            log.info("%s: cleaning up a mount left by a dead daemon", mp)
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+            os.stat(mp)
+        else:
+            raise PffsError(f"{mp}: {e.strerror}") from None
+    if not mp.is_dir():
+        raise PffsError(f"{mp}: mount point is not a directory")
+    if os.path.ismount(mp):
+        raise PffsError(f"{mp}: already a mount point")
+    if any(os.scandir(mp)):
+        raise PffsError(f"{mp}: mount point is not empty")
+
+
+def setup_logging(log_path: Path, foreground: bool) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    fmt = logging.Formatter("%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
+                            "%Y-%m-%d %H:%M:%S")
+    fh = logging.FileHandler(log_path)
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if foreground:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+    pyfuse_log = logging.getLogger("pyfuse3")
+    pyfuse_log.setLevel(logging.INFO)
+    pyfuse_log.addFilter(_abandoned_reply)
+
+
+def _abandoned_reply(record: logging.LogRecord) -> bool:
+    """A reply the kernel no longer waits for (ENOENT: the request was interrupted,
+    or a release sent as its opener went away) is not an error of the filesystem."""
+    if record.levelno >= logging.ERROR and "fuse_reply_* failed with No such file or directory" \
+            in record.getMessage():
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
+
+
+T = TypeVar("T")
+
+
+class Made(Generic[T]):
+    """A part of the daemon that prepare() makes: read before then, it refuses
+    (the value lives in ``_<name>``, None until set)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: object, owner: type | None = None) -> T:
+        value = getattr(obj, self.attr, None)
+        if value is None:
+            raise RuntimeError(f"the daemon is not prepared: no {self.attr[1:]}")
+        return value
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(obj, self.attr, value)
+
+
+def _connection_aborted(e: BaseException) -> bool:
+    """Whether pyfuse3's session loop ended on ECONNABORTED from /dev/fuse (alone,
+    or in exception groups)."""
+    if isinstance(e, BaseExceptionGroup):
+        return all(_connection_aborted(x) for x in e.exceptions)
+    return isinstance(e, ConnectionAbortedError)
+
+
+class Daemon:
+    def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions, *,
+                 trim_heaps: Callable[[], None] | None = None):
+        self.store = store
+        self.mountpoint = mountpoint
+        self.opts = opts
+        # Made by prepare() (see Made): until then None.
+        self._ops: Handlers | None = None
+        self._db: Database | None = None
+        self._live: LiveEngines | None = None     # the engine socket (engines/ is ops')
+        self._reserve: SpaceReserve | None = None
+        self.remote: RemoteMount | None = None    # of an S3 store
+        self.journals: list[str] = []
+        self.trim_heaps = trim_heaps     # (see heap.fix_malloc)
+
+    ops: Made[Handlers] = Made()
+    db: Made[Database] = Made()
+    live: Made[LiveEngines] = Made()
+    reserve: Made[SpaceReserve] = Made()
+
+    def prepare(self) -> None:
+        from pffs.daemon.reserve import SpaceReserve, free_bytes
+        from pffs.fs import adoption as direct
+        from pffs.fs.content import ContentStore
+        from pffs.fs.db import Database
+        from pffs.fs.operations import SPIN, build, spin_us
+
+        st = self.store
+        st.create()
+        st.lock(f"pffs mount {self.mountpoint}")
+        self.reserve = SpaceReserve(st.reserve_path, self.opts.reserve)
+        if self.opts.reserve > 0 and free_bytes(st.root) < self.opts.reserve // 4:
+            self.reserve.release()  # mounting a full store: room to open the database and delete
+        conn = namespace.open_db(st.root)
+        try:
+            with namespace.transaction(conn):
+                n = namespace.cleanup_orphans(conn)
+            if n:
+                log.info("removed %d unlinked inodes left open by the previous run", n)
+            stored = conn.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
+        finally:
+            conn.close()
+        # Spill files of the previous run: a journal file holds fsynced bytes
+        # (replayed before serving); any other was never fsynced.
+        self.journals = []
+        for p in sorted(st.staging_dir.iterdir()):
+            if journal_inode(p.name) is not None:
+                self.journals.append(str(p))
+            else:
+                p.unlink()
+        for p in st.blobs.temp_files():
+            p.unlink()
+        self.db = Database(st.db_path)
+        self.reserve.ensure()
+        if self.opts.reserve > 0:
+            st.blobs.reserve = self.reserve
+            self.db.on_full = self.reserve.release
+        sync_on_close = self.opts.sync == "close" or st.url is not None
+        pending = PutBatch()
+        threads = None
+        cache_size = self.opts.cache_size
+        if st.url is not None:
+            from pffs.bucket.lease import MEMORY_CACHE_MAX, attach
+            # The registration in the bucket, before a request is served.
+            self.remote = attach(st, self.opts, self.db)
+            adopt: Callable[[Sequence[str]], Any] | None = self.remote.adopt
+            # A close mostly waits on the network: as many at once as there are
+            # upload threads (the CPU work in them is small).
+            threads = max(2, os.cpu_count() or 2, self.remote.blobs.threads)
+            cache_size = min(cache_size, MEMORY_CACHE_MAX)
+        else:
+            assert isinstance(st.blobs, LocalBlobStore)     # (a store without a URL is a folder)
+            # Pages an engine's bridge put beside the mount (pffs.fs.adoption).
+            adopt = direct.LocalAdopter(self.db, st.blobs, pending=None if sync_on_close else pending,
+                                        on_stored=self._stored)
+        content = ContentStore(st.blobs, st.staging_dir, threads=threads, max_size=self.opts.max_size,
+                               sync_on_close=sync_on_close, pending=pending, stored_bytes=stored,
+                               gc_lock=st.gc_lock, recount=self.recount, adopt=adopt,
+                               accepted=self.accepted_manifest, accepted_pages=self.accepted_pages)
+        from pffs.live.engines import Registry
+        from pffs.live.server import LiveEngines
+        from pffs.live.view import LiveView
+        registry = Registry(mountpoint=str(self.mountpoint))
+        self.live = LiveEngines(st.socket_path, registry)
+        self.live.listen()
+        self.ops = build(self.db, content, cache_size=cache_size,
+                         staging_memory=self.opts.staging_memory, journal_fsync=st.url is None,
+                         live=LiveView(registry), socket_path=str(st.socket_path),
+                         store_root=str(st.root),
+                         store_json=direct.store_json(direct.store_info(st, self.opts)))
+        fuse_opts = set(pyfuse3.default_options)
+        fuse_opts |= {f"fsname=pffs:{st.root}", "subtype=pffs", "default_permissions"}
+        if self.opts.allow_other:
+            fuse_opts.add("allow_other")
+        pyfuse3.init(self.ops.ops, str(self.mountpoint), fuse_opts)
+        if SPIN:
+            pyfuse3.set_spin(spin_us() * 1000)
+        log.info("mounted %s on %s (pid %d)", st.root, self.mountpoint, os.getpid())
+
+    def _widen_readahead(self) -> None:
+        """Let the kernel read ahead up to 1 MiB (a whole page file in one request).
+
+        FUSE mounts start at 128 KiB; the knob is the mount's backing device in
+        sysfs, writable by root only (others keep the default).
+        """
+        try:
+            dev = os.stat(self.mountpoint).st_dev
+            path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+            with open(path, "w") as f:
+                f.write(str(READ_AHEAD_KB))
+        except OSError as e:
+            log.debug("read-ahead left at the default: %s", e)
+
+    async def main(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self.ops.files.nursery = nursery
+            nursery.start_soon(self.ops.invalidate.run)
+            nursery.start_soon(self._signals, nursery)
+            nursery.start_soon(self._periodic)
+            if self.trim_heaps is not None:
+                nursery.start_soon(self._trim_heaps)
+            nursery.start_soon(self._syncer)
+            # stat() of the mount needs the loop to answer: do it from a thread.
+            nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
+            nursery.start_soon(self.live.serve)
+            if self.journals:
+                await self.ops.files.replay_journals(self.journals)
+            try:
+                await pyfuse3.main()
+            except BaseException as e:
+                if not _connection_aborted(e):
+                    raise
+                # The kernel ended the session (an abort through fusectl, or
+                # one at unmount): what is staged is committed all the same.
+                log.info("the kernel aborted the FUSE connection of %s: unmounting", self.mountpoint)
+            nursery.cancel_scope.cancel()
+        with trio.CancelScope(shield=True):
+            await self.ops.files.commit_all()
+            await self.ops.content.sync_pending()
+
+    async def _syncer(self) -> None:
+        """Blobs written by closes become durable within SYNC_INTERVAL, in groups."""
+        while True:
+            await trio.sleep(SYNC_INTERVAL)
+            await self.ops.content.sync_pending()
+
+    async def _signals(self, nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                log.info("signal %d: unmounting", sig)
+                pyfuse3.terminate()
+                return
+
+    async def _trim_heaps(self) -> None:
+        assert self.trim_heaps is not None
+        while True:
+            await trio.sleep(heap.HEAP_TRIM_INTERVAL)
+            await trio.to_thread.run_sync(self.trim_heaps)
+
+    async def _periodic(self) -> None:
+        last_snapshot = time.monotonic()
+        while True:
+            await trio.sleep(CHECKPOINT_INTERVAL)
+            # Blobs first: the checkpoint makes namespace rows durable.
+            await self.ops.content.sync_pending()
+            try:
+                await self.db.checkpoint()
+                # gc frees blobs behind the daemon's back; a full disk may have
+                # room again for the reserve.
+                await trio.to_thread.run_sync(self.ops.content.recounted, self.recount)
+                await trio.to_thread.run_sync(self.reserve.ensure)
+            except (OSError, sqlite3.Error) as e:
+                log.warning("periodic checkpoint: %s", e)
+            if time.monotonic() - last_snapshot >= self.opts.snapshot_interval:
+                last_snapshot = time.monotonic()
+                await trio.to_thread.run_sync(self.snapshot, limiter=self.db.limiter)
+
+    def _stored(self, nbytes: int) -> None:
+        """From a commit thread: blob bytes adopted into the namespace."""
+        self.ops.content.add_stored(nbytes)
+
+    def recount(self) -> int:
+        """Stored bytes of every indexed blob (from a worker thread)."""
+        with self.db.writing() as conn:
+            return conn.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
+
+    def accepted_manifest(self, digest: str) -> int | None:
+        """From a commit thread: the page count of a manifest already accepted
+        with these bytes (a fork's source), or None."""
+        with self.db.writing() as conn:
+            return namespace.recorded_count(conn, digest)
+
+    def accepted_pages(self, digest: str) -> list[str] | None:
+        """From a commit thread: the pages of a manifest already accepted with these bytes."""
+        with self.db.writing() as conn:
+            return namespace.recorded_pages(conn, digest)
+
+    def snapshot(self) -> None:
+        """Copy the namespace database into snapshots/ (a few kept).
+
+        From a connection of its own, in one read transaction (WAL): commits
+        go on meanwhile; the copy is the database as of its start.
+        """
+        from pffs.maint.snapshots import take_snapshot
+        try:
+            conn = namespace.connect(self.store.db_path, readonly=True)
+            try:
+                take_snapshot(conn, self.store.snapshot_dir, self.opts.snapshots_kept)
+            finally:
+                conn.close()
+        except (OSError, sqlite3.Error) as e:
+            log.warning("namespace snapshot failed: %s", e)
+        except Exception:
+            log.exception("namespace snapshot failed")
+
+    def close(self, unmount: bool) -> None:
+        try:
+            pyfuse3.close(unmount=unmount)
+        except Exception:
+            log.exception("closing the FUSE session")
+        if self._ops is not None:
+            self._ops.content.pending.sync()
+            from pffs.fs.operations import TIMING
+            for name, (n, total) in sorted((TIMING or {}).items(), key=lambda kv: -kv[1][1]):
+                log.info("timing %-12s %8d calls %9.3f s %8.1f us/call", name, n, total, total / n * 1e6)
+        if self.remote is not None:
+            self.remote.stop()
+        if self._live is not None:
+            self._live.close()
+        if self._db is not None:
+            self.snapshot()
+            self.db.close()
+        self.store.unlock()
+        log.info("unmounted %s", self.mountpoint)
+
+
+def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foreground: bool,
+        ready_fd: int | None = None) -> int:
+    trim_heaps = heap.fix_malloc()
+    st = StoreDir(store_dir, opts.codec, remote=opts.remote)
+    mp = Path(mountpoint).absolute()
+
+    def ready(msg: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, (msg + "\n").encode())
+            os.close(ready_fd)
+
+    try:
+        st.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ready(f"error {st.root}: {e.strerror}")
+        raise PffsError(f"{st.root}: {e.strerror}") from None
+    setup_logging(st.log_path, foreground)
+    # Worker threads (decoding, hashing) hold the GIL in short Python stretches
+    # between C calls that release it: a short switch interval keeps the
+    # FUSE loop's latency low while they run.
+    sys.setswitchinterval(0.0005)
+    faulthandler.enable(open(st.log_path, "a"))
+    d = Daemon(st, mp, opts, trim_heaps=trim_heaps)
+    try:
+        check_mountpoint(mp)
+        d.prepare()
+    except (PffsError, OSError, RuntimeError) as e:
+        log.error("mount %s failed: %s", mp, e)
+        ready(f"error {e}")
+        st.unlock()
+        raise PffsError(str(e)) from None
+    ready("ok")
+    unmount = True
+    try:
+        trio.run(d.main)
+    except BaseException:
+        log.exception("daemon main loop failed")
+        raise
+    finally:
+        d.close(unmount)
+    return 0
+
+
+def spawn(store_dir: str | None, mountpoint: str, raw_opts: list[str]) -> None:
+    """Start a detached daemon and wait until its mount is ready (or it gives up)."""
+    st = StoreDir(store_dir)
+    try:
+        st.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PffsError(f"{st.root}: {e.strerror}") from None
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "pffs.daemon.mount", "--store", str(st.root), "--ready-fd", str(w)]
+    for o in raw_opts:
+        cmd += ["-o", o]
+    cmd.append(mountpoint)
+    with open(st.log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, pass_fds=(w,), start_new_session=True, stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=logf, env=heap.thp_environ())
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.readline().decode(errors="replace").strip()
+    if text == "ok":
+        return
+    if text.startswith("error "):
+        raise PffsError(text[6:])
+    rc = proc.wait(30)
+    raise PffsError(f"daemon exited with status {rc} before mounting (see {st.log_path})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pffs-daemon")
+    ap.add_argument("--store")
+    ap.add_argument("-o", action="append", default=[])
+    ap.add_argument("--ready-fd", type=int)
+    ap.add_argument("mountpoint")
+    args = ap.parse_args(argv)
+    try:
+        opts = parse_options(args.o)
+        return run(args.store, args.mountpoint, opts, foreground=False, ready_fd=args.ready_fd)
+    except PffsError as e:
+        print(f"pffs mount: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
