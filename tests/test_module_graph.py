@@ -1,5 +1,7 @@
 """The shape of the code: no import circle among the project's modules, pffs
-never imports the engine bridge, and no module of pffs past 600 lines.
+never imports the engine bridge, no module of pffs past 600 lines, a tree by
+role (no two modules of one file name, few modules at pffs's top, one folder
+per engine adapter).
 
 Every import counts: at the top, inside functions, under TYPE_CHECKING.
 """
@@ -150,3 +152,28 @@ def test_the_architecture_and_concurrency_pages_name_what_exists():
                 elif member and member.split(".")[0] not in classes[head]:
                     wrong.append(f"{doc}: {head} has no {member}")
     assert wrong == []
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says which module it is: ``__init__.py``, ``__main__.py``
+    and a package's ``errors.py`` aside, no name is used twice."""
+    seen: dict[str, list[str]] = {}
+    for path in _modules().values():
+        if path.name not in ("__init__.py", "__main__.py", "errors.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_pffs_keeps_at_most_eight_modules_at_its_top():
+    """The rest of pffs sits in folders by role (fs, live, namespace, store,
+    daemon, maint, bucket, client)."""
+    top = sorted(p.name for p in (ROOT / "pffs").glob("*.py"))
+    assert len(top) <= 8, top
+
+
+def test_each_engine_adapter_sits_in_its_own_folder():
+    for adapter in ("reference", "transformers", "vllm"):
+        folder = ROOT / "engine_bridge" / adapter
+        assert (folder / "__init__.py").is_file(), adapter
+    loose = sorted(p.name for p in (ROOT / "engine_bridge").glob("*.py"))
+    assert not [n for n in loose if any(a in n for a in ("reference", "transformers", "vllm"))], loose
