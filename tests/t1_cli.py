@@ -1,0 +1,89 @@
+"""Level t1, units: no mount and no engine.
+The command line's parser: each command built alone parses as with every command built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pffs import cli
+from pffs.client.fork import _json_str
+
+SAMPLES = [
+    ["mount", "-f", "--store", "/s", "-o", "cache_size=1M", "-o", "allow_other", "/m"],
+    ["umount", "/m"],
+    ["fork", "a", "b"],
+    ["seal", "s"],
+    ["demo", "--dtype", "f32", "--tokens", "3"],
+    ["stats", "--json", "/m"],
+    ["check", "--read-data", "--repair", "--store", "/s"],
+    ["gc", "--dry-run", "--grace", "0"],
+    ["prune", "/p", "--keep-last", "2"],
+    ["push", "s", "n", "--force"],
+    ["pull", "n", "/d"],
+    ["ls-remote", "--json"],
+    ["rm-remote", "n", "/p"],
+]
+
+
+def test_every_command_has_a_sample():
+    assert sorted(a[0] for a in SAMPLES) == sorted(name for name, _, _ in cli.COMMANDS)
+
+
+@pytest.mark.parametrize("argv", SAMPLES, ids=[a[0] for a in SAMPLES])
+def test_a_command_parses_alike_built_alone_or_with_all(argv):
+    alone = cli.build_parser(argv)
+    every = cli.build_parser(None)
+    assert list(alone._subparsers._group_actions[0].choices) == [argv[0]]
+    assert len(every._subparsers._group_actions[0].choices) == len(cli.COMMANDS)
+    a, b = vars(alone.parse_args(argv)), vars(every.parse_args(argv))
+    assert callable(a.pop("func")) and callable(b.pop("func"))
+    assert a == b and a["cmd"] == argv[0]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "pffs.cli", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_help_lists_every_command_and_a_typo_names_them_all():
+    r = run("--help")
+    assert r.returncode == 0
+    for name, help, _ in cli.COMMANDS:
+        assert name in r.stdout and help.split()[0] in r.stdout
+    r = run("frok", "a", "b")
+    assert r.returncode == 2
+    assert "invalid choice: 'frok'" in r.stderr and "'rm-remote'" in r.stderr
+    r = run("fork", "a")
+    assert r.returncode == 2 and "pffs fork" in r.stderr and "dst" in r.stderr
+
+
+def test_fork_takes_the_arguments_argparse_gives_it():
+    fast = cli._ForkArgs("a", "b")
+    parsed = cli.build_parser(["fork", "a", "b"]).parse_args(["fork", "a", "b"])
+    assert (fast.cmd, fast.src, fast.dst, fast.func) == (parsed.cmd, parsed.src, parsed.dst, parsed.func)
+
+
+# What a quick fork would otherwise import (each a fifth of Python's start-up).
+HEAVY = ("argparse", "re", "typing", "json", "pathlib", "shutil", "hashlib", "sqlite3")
+
+
+def test_fork_imports_nothing_heavy(tmp_path):
+    probe = ("import sys; before = set(sys.modules); from pffs import cli; "
+             "rc = cli.main(['fork', sys.argv[1], sys.argv[2]]); "
+             "print(rc, ' '.join(sorted(set(sys.modules) - before)))")
+    r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "nosuch"), str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=60)
+    rc, _, loaded = r.stdout.strip().partition(" ")
+    assert rc == "1" and "not a session (no manifest.json)" in r.stderr
+    assert not set(loaded.split()) & set(HEAVY), loaded
+
+
+@pytest.mark.parametrize("s", ["plain", 'a "quoted" \\ name', "tab\there\n", "päge-ü €",
+                               "bytes\udcff\udc80 not utf-8", ""])
+def test_a_load_request_names_any_path_as_json_does(s):
+    assert json.loads(_json_str(s)) == s
+    assert json.loads('{"session": %s}' % _json_str(s).encode().decode()) == {"session": s}

@@ -1,0 +1,67 @@
+"""Level t4, engines: a real engine (the reference engine, transformers or vLLM).
+vLLM's KV layouts as bridge pools: page bytes are contract §1's whatever the order.
+
+The views come from vLLM's own allocator (``allocate_kv_cache`` over a
+``KVCacheConfig`` made by ``get_kv_cache_configs``), in each physical order and
+with kernel block splitting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_bridge.core.pool import VLLM_ORDERS, VllmKVPool
+
+from vllm_helpers import D, H, L, kv_views, vllm_config
+
+
+def expected_page(views, b: int, r: int, fill: int | None = None) -> bytes:
+    """Contract §1 page of scheduler block *b*, built element by element from the views."""
+    k, v = [], []
+    for t in views:
+        Nk = t.shape[2]
+        toks = [t[b * r + n // Nk, :, n % Nk, :] for n in range(r * Nk)]  # each [H, 2D]
+        lk = torch.stack([x[:, :D] for x in toks])
+        lv = torch.stack([x[:, D:] for x in toks])
+        if fill is not None:
+            lk[fill:] = 0
+            lv[fill:] = 0
+        k.append(lk)
+        v.append(lv)
+    return torch.stack(k).contiguous().view(torch.uint8).numpy().tobytes() + \
+        torch.stack(v).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("order", VLLM_ORDERS)
+@pytest.mark.parametrize("kernel", [16, 8])
+def test_vllm_views_gather_and_scatter_contract_pages(order, kernel, tmp_path):
+    cfg = vllm_config(tmp_path, layout=order)
+    try:
+        views, kcc = kv_views(cfg, layout=order, kernel_block_size=kernel)
+    except ValueError as e:  # vLLM refuses to split blocks in layouts whose pages are not dense
+        assert kernel != 16 and "kernel blocks" in str(e)
+        return  # (vLLM refuses to split blocks in this layout: nothing to page)
+    g = torch.Generator().manual_seed(3)
+    for t in views:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    pool = VllmKVPool(views, order, kcc.num_blocks)
+    r = 16 // kernel
+    assert (pool.block_size, pool.n_layers, pool.n_heads, pool.head_dim, pool.kernel_blocks_per_block) \
+        == (16, L, H, D, r)
+    out = torch.empty((2, pool.page_bytes), dtype=torch.uint8)
+    pool.gather(pool.block_index([5, 2]), out)
+    assert bytes(out[0].numpy()) == expected_page(views, 5, r)
+    assert bytes(out[1].numpy()) == expected_page(views, 2, r)
+    pool.zero_tail(out, 1, 7)
+    assert bytes(out[1].numpy()) == expected_page(views, 2, r, fill=7)
+
+    # Into another pool of another order: the same pages come back out.
+    other = VllmKVPool.allocate_vllm(num_blocks=kcc.num_blocks, block_size=16, n_layers=L, n_heads=H,
+                                     head_dim=D, dtype=views[0].dtype, order="BHLNC")
+    pool.gather(pool.block_index([5, 2]), out)
+    other.scatter(other.block_index([9, 0]), out)
+    back = torch.empty_like(out)
+    other.gather(other.block_index([9, 0]), back)
+    assert torch.equal(back, out)
+    assert bytes(back[0].numpy()) == expected_page(views, 5, r)
