@@ -2,7 +2,7 @@
 The shape of the code: no import circle among the project's modules, pffs
 never imports the engine bridge, no module of pffs past 600 lines, a tree by
 role (no two modules of one file name, few modules at pffs's top, one folder
-per engine adapter).
+per engine adapter), and test files named by level.
 
 Every import counts: at the top, inside functions, under TYPE_CHECKING.
 """
@@ -178,3 +178,26 @@ def test_each_engine_adapter_sits_in_its_own_folder():
         assert (folder / "__init__.py").is_file(), adapter
     loose = sorted(p.name for p in (ROOT / "engine_bridge").glob("*.py"))
     assert not [n for n in loose if any(a in n for a in ("reference", "transformers", "vllm"))], loose
+
+
+def test_test_files_are_named_by_level_and_say_it():
+    """Test files are named by level, as s3ql's are (t1 units, t2 in process
+    without a mount, t3 real mounts, t4 engines, t5 whole workflows), and each
+    one's docstring begins with it. pytest collects only those names
+    (pyproject's ``python_files``), so a test anywhere else would never run:
+    the helper modules beside them define none."""
+    import re
+    import tomllib
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert config["python_files"] == ["t[1-5]_*.py"]
+    wrong = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        level = re.fullmatch(r"t([1-5])_\w+\.py", path.name)
+        if level:
+            if not (ast.get_docstring(tree) or "").startswith(f"Level t{level.group(1)}"):
+                wrong.append(f"{path.name}: its docstring does not begin with 'Level t{level.group(1)}'")
+        elif any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and n.name.lower().startswith("test") for n in tree.body):
+            wrong.append(f"{path.name}: holds tests, but pytest collects only t[1-5]_*.py")
+    assert wrong == []
