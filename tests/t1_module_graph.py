@@ -187,9 +187,7 @@ def test_test_files_are_named_by_level_and_say_it():
     (pyproject's ``python_files``), so a test anywhere else would never run:
     the helper modules beside them define none."""
     import re
-    import tomllib
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
-    assert config["python_files"] == ["t[1-5]_*.py"]
+    assert 'python_files = ["t[1-5]_*.py"]' in (ROOT / "pyproject.toml").read_text().splitlines()
     wrong = []
     for path in sorted((ROOT / "tests").glob("*.py")):
         tree = ast.parse(path.read_text())
