@@ -1,4 +1,4 @@
-"""The direct data path (engine_bridge.transport.blobpath): page bytes between the bridge
+"""The direct data path (engine_bridge.transport.direct): page bytes between the bridge
 and a mounted store beside the FUSE loop, the mount carrying names only.
 
 Counted FUSE requests, sessions identical to the mount path's, gc racing a
@@ -20,7 +20,7 @@ import torch
 
 from engine_bridge import (Bridge, DamagedPage, DirSink, DirSource, DirectSink, DirectSource,
                            KVPool, RefCountingAllocator, SeqBlocks, store_access)
-from engine_bridge.transport.blobpath import as_sink, as_source
+from engine_bridge import as_sink, as_source
 from mountutil import pffs, wait_for
 from pffs import codec
 from pffs.manifest import page_name
@@ -296,7 +296,7 @@ def test_another_uid_without_access_to_the_store_goes_through_the_mount(mount_fa
         "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')\n"
         f"sys.path[:0] = [{str(REPO / 'tests')!r}]\n"
         "from test_direct import pool_of, bridge_of, one_seq\n"
-        "from engine_bridge.transport.blobpath import as_sink, store_access\n"
+        "from engine_bridge import as_sink, store_access\n"
         f"dest = {str(mnt / 'nobody' / 'a')!r}\n"
         "assert store_access(dest) is None\n"
         "pool = pool_of(16, seed=13); br = bridge_of(pool)\n"

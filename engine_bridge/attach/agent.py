@@ -54,8 +54,10 @@ from engine_bridge.attach.warm import WARM_BYTES, WarmPages
 from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, Bridge, SeqBlocks
 from engine_bridge.core.pool import BlockId
 from engine_bridge.errors import BridgeError, PageInError
-from engine_bridge.transport.blobpath import BlobSink, BlobSource, as_source, store_access
-from engine_bridge.transport.folders import SessionSource
+from engine_bridge.transport.choose import as_source
+from engine_bridge.transport.mountinfo import store_access
+from engine_bridge.transport.session_io import SessionSource
+from engine_bridge.transport.store_blobs import BlobSink, BlobSource
 from pffs.live import protocol
 from pffs.manifest import ManifestError
 from pffs.types import Digest

@@ -36,7 +36,7 @@ from engine_bridge.core.bridge import Bridge, PageInResult, SeqBlocks, config_sh
 from engine_bridge.core.pool import FLASH_ATTN, TORCH_DTYPES, BlockId, KVLayout, KVPool, layout_of
 from engine_bridge.core.staging import DEFAULT_STAGING_BYTES
 from engine_bridge.errors import Refused
-from engine_bridge.transport.folders import SinkLike, SourceLike
+from engine_bridge.transport.session_io import SinkLike, SourceLike
 
 # Queries per attention chunk in a long prefill (bounds the score matrix).
 _ATTN_CHUNK = 256

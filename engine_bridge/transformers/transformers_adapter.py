@@ -78,7 +78,7 @@ from engine_bridge.core.pool import BlockId, KVLayout, KVPool  # noqa: E402
 from engine_bridge.core.staging import DEFAULT_STAGING_BYTES  # noqa: E402
 from engine_bridge.errors import NoFreeBlocks, Refused  # noqa: E402
 from engine_bridge.reference.reference_engine import weights_digest  # noqa: E402
-from engine_bridge.transport.folders import SinkLike, SourceLike  # noqa: E402
+from engine_bridge.transport.session_io import SinkLike, SourceLike  # noqa: E402
 from pffs.manifest import Manifest  # noqa: E402
 
 #: One layer's view of the cache: [num_blocks, 2, page_size, n_kv_heads, head_dim].
