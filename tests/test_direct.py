@@ -338,10 +338,10 @@ def test_decode_into_gives_the_bytes_decode_gives(bf16_pages):
 
 
 class _Loader:
-    """An engine adapter whose page-ins are kept for the test to check (engine_bridge.attach.agent)."""
+    """An engine adapter whose page-ins are kept for the test to check (engine_bridge.attach.engine_adapter)."""
 
     def __init__(self, bridge: Bridge):
-        from engine_bridge.attach.agent import StepLock
+        from engine_bridge.attach.engine_adapter import StepLock
         self.bridge = bridge
         self.lock = StepLock()
         self.loaded: list = []
