@@ -95,7 +95,7 @@ def mount_sink(root: Path):
 
 @contextlib.contextmanager
 def direct_sink(root: Path):
-    """The same mount, page bytes straight to and from its store (engine_bridge.transport.blobpath)."""
+    """The same mount, page bytes straight to and from its store (engine_bridge.transport.direct)."""
     with _mounted(root) as m:
         if store_access(m.path) is None:
             raise SystemExit("the direct path is not open on the benchmark's mount")
@@ -152,7 +152,7 @@ def s3_mount_sink(root: Path):
 
 @contextlib.contextmanager
 def s3_direct_sink(root: Path):
-    """The same, page bytes straight to and from the bucket (engine_bridge.transport.blobpath); page-in cold."""
+    """The same, page bytes straight to and from the bucket (engine_bridge.transport.direct); page-in cold."""
     with _s3_mounted(root) as (m, cold):
         access = store_access(m.path)
         if access is None or access.kind != "s3":

@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from engine_bridge import Bridge, KVPool, MemorySession, RefCountingAllocator, SeqBlocks  # noqa: E402
-from engine_bridge.attach.agent import Agent, StepLock  # noqa: E402
+from engine_bridge.attach.agent import Agent  # noqa: E402
+from engine_bridge.attach.engine_adapter import StepLock  # noqa: E402
 from mountutil import Mount, wait_for  # noqa: E402
 
 KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"

@@ -7,6 +7,7 @@ import sys
 
 from pffs import __version__
 from pffs.errors import PffsError
+from pffs.names import CONTROL_DIR, STATS_NAME
 
 TYPE_CHECKING = False   # (typing.TYPE_CHECKING, without importing typing: see main)
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def cmd_stats(args) -> int:
 
     from pffs import namespace
     if args.mountpoint:
-        path = os.path.join(args.mountpoint, ".pffs", "stats.json")
+        path = os.path.join(args.mountpoint, CONTROL_DIR, STATS_NAME)
         try:
             with open(path) as f:
                 figures = json.load(f)

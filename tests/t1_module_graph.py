@@ -199,3 +199,25 @@ def test_test_files_are_named_by_level_and_say_it():
                  and n.name.lower().startswith("test") for n in tree.body):
             wrong.append(f"{path.name}: holds tests, but pytest collects only t[1-5]_*.py")
     assert wrong == []
+
+
+#: What the engine bridge may import of pffs: the page and manifest model, the
+#: names a client sees, the client modules, and the engine's end of the socket.
+BRIDGE_MAY_IMPORT = {"pffs", "pffs.codec", "pffs.errors", "pffs.manifest", "pffs.names", "pffs.types",
+                     "pffs.live.protocol"}
+
+
+def test_the_engine_bridge_reaches_pffs_through_its_public_modules_only():
+    """engine_bridge imports no module of pffs's store, filesystem, namespace,
+    daemon, maintenance or bucket, nor of pffs.live but its wire protocol.
+
+    Its door into a mount's store is pffs.client.access (any pffs.client
+    module may be used); pffs.live.protocol stays allowed by name: it is the
+    message format both ends of the engine socket speak, standard library
+    only, and importing it imports nothing else of pffs.live."""
+    graph = _graph()
+    offenders = sorted(f"{m} imports {t}" for m, ts in graph.items() if m.split(".")[0] == "engine_bridge"
+                       for t in ts if t.split(".")[0] == "pffs"
+                       and t not in BRIDGE_MAY_IMPORT and not t.startswith("pffs.client."))
+    assert offenders == []
+    assert "pffs.client.access" in {t for m, ts in graph.items() if m.startswith("engine_bridge.") for t in ts}

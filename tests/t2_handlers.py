@@ -79,12 +79,14 @@ def test_a_write_flushed_while_its_file_is_renamed_onto_manifest_json_is_checked
     rename's transaction commits first: the flush's bytes now land under the
     name manifest.json, so they are checked there (names read in the flush's
     own transaction) and refused, and the validated manifest stays."""
+    import errno
     import json
     import threading
-    import errno
+
     import pyfuse3
     import trio.testing
     from manifests import good
+
     from pffs.fs import operations
 
     valid = json.dumps(good()).encode()
@@ -130,8 +132,9 @@ def test_changes_commit_while_the_namespace_is_snapshotted(tmp_path, monkeypatch
     """The periodic snapshot copies the database beside the writers: a change
     commits while the copy is still being made durable."""
     import threading
-    from pffs.maint import snapshots
+
     from pffs.daemon.mount import Daemon, MountOptions
+    from pffs.maint import snapshots
     store = StoreDir(tmp_path / "store")
     store.create()
     ns.open_db(store.root).close()
@@ -172,6 +175,7 @@ def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_pat
     """Past the staging memory budget a write moves the file's staged bytes to
     disk: file I/O of up to a block, in a worker thread, never on the loop."""
     import threading
+
     from pffs.fs import write_stage as staging
     store = StoreDir(tmp_path / "store")
     store.create()
@@ -207,6 +211,7 @@ def test_stats_json_figures_are_computed_again_only_after_a_change(ops, monkeypa
     namespace's figures (a pass over its tables) are computed once per change,
     and a change shows at once."""
     import json
+
     from pffs.fs import virtual
     calls = []
     real = virtual.ns.stats
@@ -291,8 +296,9 @@ def test_a_small_write_into_a_file_of_several_blocks_commits_that_block_only(ops
     stored again, the other two are named as they were; the file reads back
     with the change, and its digest (reckoned when asked) is its bytes'."""
     import hashlib
+
     from pffs.fs import content as content_mod
-    from pffs.fs.namespace_tree import DIGEST_XATTR
+    from pffs.names import DIGEST_XATTR_B as DIGEST_XATTR
     from pffs.namespace import BLOCK_SIZE
     blocks = [bytes([65 + i]) * BLOCK_SIZE for i in range(3)]
     ds = [ops.content.blobs.put(b).digest for b in blocks]
@@ -353,6 +359,7 @@ def test_an_unlinked_open_file_stays_until_its_last_handle_and_lookup_go(ops, mo
     of it waits for its blob: the inode and its bytes stay until the release, and
     go then."""
     import threading
+
     import trio.testing
     data = os.urandom(100_000)
     fetching, go_on = threading.Event(), threading.Event()
@@ -401,9 +408,11 @@ def test_a_folder_listed_during_the_fork_that_fills_it_shows_none_then_every_pag
     (folded: one row for every page), it lists every page."""
     import json
     import threading
+
     import pyfuse3
     from manifests import good
-    from pffs.fs.manifests import FORK_XATTR
+
+    from pffs.names import FORK_XATTR_B as FORK_XATTR
     from pffs.types import digest_of
 
     pages = [os.urandom(2048) for _ in range(3)]       # the geometry of good(): 2 KiB pages

@@ -1,5 +1,5 @@
 """Level t3, mounts: a real FUSE mount (the daemon in a subprocess).
-The direct data path (engine_bridge.transport.blobpath): page bytes between the bridge
+The direct data path (engine_bridge.transport.direct): page bytes between the bridge
 and a mounted store beside the FUSE loop, the mount carrying names only.
 
 Counted FUSE requests, sessions identical to the mount path's, gc racing a
@@ -21,7 +21,7 @@ import torch
 
 from engine_bridge import (Bridge, DamagedPage, DirSink, DirSource, DirectSink, DirectSource,
                            KVPool, RefCountingAllocator, SeqBlocks, store_access)
-from engine_bridge.transport.blobpath import as_sink, as_source
+from engine_bridge import as_sink, as_source
 from mountutil import pffs, wait_for
 from pffs import codec
 from pffs.manifest import page_name
@@ -297,7 +297,7 @@ def test_another_uid_without_access_to_the_store_goes_through_the_mount(mount_fa
         "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')\n"
         f"sys.path[:0] = [{str(REPO / 'tests')!r}]\n"
         "from t3_direct import pool_of, bridge_of, one_seq\n"
-        "from engine_bridge.transport.blobpath import as_sink, store_access\n"
+        "from engine_bridge import as_sink, store_access\n"
         f"dest = {str(mnt / 'nobody' / 'a')!r}\n"
         "assert store_access(dest) is None\n"
         "pool = pool_of(16, seed=13); br = bridge_of(pool)\n"
@@ -339,10 +339,10 @@ def test_decode_into_gives_the_bytes_decode_gives(bf16_pages):
 
 
 class _Loader:
-    """An engine adapter whose page-ins are kept for the test to check (engine_bridge.attach.agent)."""
+    """An engine adapter whose page-ins are kept for the test to check (engine_bridge.attach.engine_adapter)."""
 
     def __init__(self, bridge: Bridge):
-        from engine_bridge.attach.agent import StepLock
+        from engine_bridge.attach.engine_adapter import StepLock
         self.bridge = bridge
         self.lock = StepLock()
         self.loaded: list = []

@@ -17,7 +17,7 @@ import os
 import torch
 
 from engine_bridge import DirectSink, DirectSource, DirSink, DirSource, store_access
-from engine_bridge.transport.blobpath import as_sink, as_source
+from engine_bridge import as_sink, as_source
 from mountutil import pffs
 from pffs.manifest import page_name
 from seaweed import s3_mounts, weed  # noqa: F401  (fixtures)
@@ -141,7 +141,7 @@ def test_a_client_the_bucket_refuses_goes_through_the_mount(weed, s3_mounts, mon
     bucket = weed.make_bucket()
     m = s3_mounts("m", f"s3://{bucket}/c")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
-    with caplog.at_level(logging.INFO, logger="engine_bridge.transport.blobpath"):
+    with caplog.at_level(logging.INFO, logger="engine_bridge.transport.mountinfo"):
         assert store_access(m.path) is None
         pool = pool_of(6, seed=2)
         br = bridge_of(pool)

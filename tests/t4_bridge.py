@@ -19,7 +19,7 @@ from engine_bridge import (Bridge, DigestMismatch, DirSink, DirSource, Incomplet
                            NoFreeBlocks, PageOutError, RefCountingAllocator, Refused, SeqBlocks,
                            SourceChanged, Staging, WrongSizePage)
 from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine
-from engine_bridge.transport.folders import DIGEST_XATTR
+from pffs.names import DIGEST_XATTR
 from pffs.manifest import page_name, parse
 
 PROMPTS = {

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from engine_bridge.attach.agent import Agent, ReferenceAdapter
+from engine_bridge.attach.agent import Agent
 from engine_bridge.reference.reference_engine import ReferenceEngine
+from engine_bridge.reference.reference_live import ReferenceAdapter
 from mountutil import pffs as pffs_cli
 from mountutil import wait_for
 from pffs import manifest as mf
@@ -55,7 +56,7 @@ class EngineProc:
         self.stderr_path = mnt.path.parent / f"engine-{name}-{time.monotonic_ns()}.txt"
         self._err = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_bridge.attach.agent", str(mnt.path), "--name", name, "--control",
+            [sys.executable, "-m", "engine_bridge.attach", str(mnt.path), "--name", name, "--control",
              "--blocks", str(blocks), "--staging", staging, "--seed", str(seed)],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
             env={**os.environ, **(env or {})})

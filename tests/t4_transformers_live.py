@@ -36,7 +36,7 @@ class TransformersProc(EngineProc):
         self.stderr_path = mnt.path.parent / f"engine-{name}-{time.monotonic_ns()}.txt"
         self._err = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_bridge.transformers.transformers_live", str(mnt.path), "--name", name,
+            [sys.executable, "-m", "engine_bridge.attach", str(mnt.path), "--engine", "transformers", "--name", name,
              "--control", "--blocks", str(BLOCKS), "--staging", "1M", "--seed", str(SEED)],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
         self._buf = b""

@@ -17,7 +17,7 @@ import torch
 
 from engine_bridge import (DigestMismatch, IncompleteSession, MismatchError, ModelMismatch,
                            NoFreeBlocks, WrongSizePage)
-from engine_bridge.transport.blobpath import store_access
+from engine_bridge import store_access
 from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine
 from mountutil import is_mounted, lazy_unmount, pffs
 from pffs.manifest import page_name
@@ -73,7 +73,7 @@ def run(*cmd, **kw) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("path", ["direct", "mount"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_page_out_fork_page_in_continues_bit_exact(mnt, dtype, path, monkeypatch):
-    # Page bytes straight to and from the store (engine_bridge.transport.blobpath), or every byte through FUSE.
+    # Page bytes straight to and from the store (engine_bridge.transport.direct), or every byte through FUSE.
     if path == "mount":
         monkeypatch.setenv("PFFS_DIRECT", "0")
     assert (store_access(mnt.path) is not None) == (path == "direct")

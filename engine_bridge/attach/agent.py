@@ -24,132 +24,43 @@ requests and a few workers serve them:
   live session paged out to a path in the mount, or a session at a path
   paged in, by the bridge itself (the direct path where the store allows).
 
-What an engine must provide is :class:`EngineAdapter`; the reference engine's
-is :class:`ReferenceAdapter`.  ``python -m engine_bridge.attach.agent MNT --name N``
-runs a reference engine attached as N (``--demo`` decodes a prompt,
-``--control`` takes JSON commands on stdin, one per line).
+What an engine must provide is an
+:class:`~engine_bridge.attach.engine_adapter.EngineAdapter` (each engine's is
+in its folder); ``python -m engine_bridge.attach MNT --engine E --name N``
+runs engine E attached as N (engine_bridge.attach.attach_cli).
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import fcntl
-import hashlib
-import json
 import logging
 import mmap
 import os
-import signal
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable
 
 import torch
 
+from engine_bridge.attach.engine_adapter import EngineAdapter
 from engine_bridge.attach.warm import WARM_BYTES, WarmPages
-from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, Bridge, SeqBlocks
+from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, SeqBlocks
 from engine_bridge.core.pool import BlockId
 from engine_bridge.errors import BridgeError, PageInError
-from engine_bridge.transport.blobpath import BlobSink, BlobSource, as_source, store_access
-from engine_bridge.transport.folders import SessionSource
+from engine_bridge.transport.choose import as_source
+from engine_bridge.transport.mountinfo import store_access
+from engine_bridge.transport.store_blobs import BlobSink, BlobSource
 from pffs.live import protocol
 from pffs.manifest import ManifestError
+from pffs.names import CONTROL_DIR, SOCKET_NAME
 from pffs.types import Digest
 
 log = logging.getLogger("engine_bridge.attach.agent")
 
-DEFAULT_STAGING_BYTES = 64 << 20
-
-
-class StepLock:
-    """A first-come, first-served lock the engine holds across each step.
-
-    The agent takes it between steps to pin or unpin blocks, list sequences
-    and page sessions in; being FIFO, a busy engine loop that takes it again
-    at once cannot starve the agent (a plain Lock gives no such promise).
-    """
-
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._next = 0
-        self._serving = 0
-
-    def acquire(self) -> None:
-        with self._cond:
-            ticket = self._next
-            self._next += 1
-            while self._serving != ticket:
-                self._cond.wait()
-
-    def release(self) -> None:
-        with self._cond:
-            self._serving += 1
-            self._cond.notify_all()
-
-    def __enter__(self) -> "StepLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class EngineAdapter(Protocol):
-    """What the agent needs from an engine.
-
-    ``lock`` is held by the engine across every step and every other change
-    to its sequences, blocks or allocator; the agent calls ``sequences``,
-    ``pin``, ``unpin`` and ``page_in`` only while holding it.  ``pin`` adds a
-    reference to blocks so they are neither freed nor reused until
-    ``unpin``; an engine that writes into a sequence's partly filled last
-    block may do so while it is pinned (only slots past the pinned fill
-    change, and those are zeroed in the page bytes), or copy it on write.
-    """
-
-    bridge: Bridge
-    lock: AbstractContextManager
-
-    def sequences(self) -> list[SeqBlocks]: ...
-
-    def pin(self, blocks: Sequence[BlockId]) -> None: ...
-
-    def unpin(self, blocks: Sequence[BlockId]) -> None: ...
-
-    def page_in(self, source: SessionSource) -> list[str]: ...
-
-
-class ReferenceAdapter:
-    """The reference engine's adapter: pins are allocator references.
-
-    Step the engine through :meth:`step` (or hold ``lock`` around
-    ``engine.step``).  A pinned, partly filled last block is copied on write
-    by the engine's next step, so a snapshot costs that one block.
-    """
-
-    def __init__(self, engine, lock: AbstractContextManager | None = None):
-        self.engine = engine
-        self.bridge = engine.bridge
-        self.lock = lock or StepLock()
-
-    def sequences(self) -> list[SeqBlocks]:
-        return self.engine.seq_blocks()
-
-    def pin(self, blocks: Sequence[BlockId]) -> None:
-        self.engine.allocator.incref(blocks)
-
-    def unpin(self, blocks: Sequence[BlockId]) -> None:
-        self.engine.allocator.free(blocks)
-
-    def page_in(self, source: SessionSource) -> list[str]:
-        return self.engine.page_in(source)
-
-    def step(self, seq_ids=None):
-        with self.lock:
-            return self.engine.step(seq_ids)
+#: Bytes of the staging slots shared with the daemon, by default.
+SHARED_STAGING_BYTES = 64 << 20
 
 
 class _ShmSource:
@@ -200,7 +111,7 @@ class _Snap:
 def socket_path(where: str | os.PathLike) -> Path:
     """The engine socket for a mount point (its ``.pffs/engine.sock``) or a socket path."""
     p = Path(where)
-    return p / ".pffs" / "engine.sock" if p.is_dir() else p
+    return p / CONTROL_DIR / SOCKET_NAME if p.is_dir() else p
 
 
 class Agent:
@@ -212,7 +123,7 @@ class Agent:
     """
 
     def __init__(self, adapter: EngineAdapter, where: str | os.PathLike, name: str, *,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, workers: int = 2,
+                 staging_bytes: int = SHARED_STAGING_BYTES, workers: int = 2,
                  on_detach: Callable[["Agent"], None] | None = None, warm_bytes: int = WARM_BYTES):
         self.adapter = adapter
         self.bridge = adapter.bridge
@@ -630,191 +541,3 @@ class Agent:
                 mm.close()
         log.info("paged in %s: sequences %s", name, ", ".join(ids))
         return {"seqs": ids}
-
-
-# ---------------------------------------------------------------------------- demo / control
-
-
-def _logits_digest(logits: torch.Tensor) -> str:
-    return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
-
-
-def attach_or_report(agent: "Agent", name: str) -> bool:
-    """Attach; if refused, say so (a JSON answer on stdout, one line on stderr) and return False."""
-    try:
-        agent.attach()
-    except (protocol.Refused, OSError) as e:
-        print(json.dumps({"ok": False, "errno": e.errno, "error": str(e)}), flush=True)
-        print(f"attach {name}: {e}", file=sys.stderr)
-        return False
-    return True
-
-
-def command_loop(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-    """Answer JSON commands read from stdin, one reply line each, until ``exit``."""
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "exit":
-                break
-            reply = {"ok": True, **handle(cmd)}
-        except Exception as ex:
-            reply = {"ok": False, "error": f"{type(ex).__name__}: {ex}"}
-        print(json.dumps(reply), flush=True)
-
-
-def common_command(engine, adapter, agent: "Agent", cmd: dict[str, Any]) -> dict[str, Any] | None:
-    """The control commands every engine answers alike; None for the others."""
-    c = cmd.get("cmd")
-    if c == "add":
-        with adapter.lock:
-            engine.add_request(cmd["id"], cmd["prompt"])
-        return {}
-    if c == "page_out":
-        with adapter.lock:
-            m = engine.page_out(cmd["dest"], cmd.get("ids"))
-        return {"pages": len(m.pages)}
-    if c == "remove":
-        with adapter.lock:
-            engine.remove(cmd["id"])
-        return {}
-    if c == "detach":
-        agent.detach()
-        return {}
-    return None
-
-
-class _Controller:
-    """JSON commands on stdin, one answer per line on stdout (for scripts and tests)."""
-
-    def __init__(self, engine, adapter: ReferenceAdapter, agent: Agent):
-        self.engine, self.adapter, self.agent = engine, adapter, agent
-        self._run: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._history: dict[str, Any] = {}
-
-    def _record(self, out, toks, logs) -> None:
-        for sid, o in out.items():
-            toks.setdefault(sid, []).append(o.token)
-            logs.setdefault(sid, []).append(_logits_digest(o.logits))
-
-    def _background(self, ids) -> None:
-        toks, logs = self._history["tokens"], self._history["logits"]
-        while not self._stop.is_set():
-            self._record(self.adapter.step(ids), toks, logs)
-            self._history["steps"] += 1
-
-    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        e, c = self.engine, cmd.get("cmd")
-        done = common_command(e, self.adapter, self.agent, cmd)
-        if done is not None:
-            return done
-        if c == "step":
-            toks: dict[str, list[int]] = {}
-            logs: dict[str, list[str]] = {}
-            for _ in range(int(cmd.get("n", 1))):
-                self._record(self.adapter.step(cmd.get("ids")), toks, logs)
-            return {"tokens": toks, "logits": logs}
-        if c == "run":
-            if self._run is not None:
-                raise ValueError("already running")
-            self._stop.clear()
-            self._history = {"steps": 0, "tokens": {}, "logits": {}}
-            self._run = threading.Thread(target=self._background, args=(cmd.get("ids"),), daemon=True)
-            self._run.start()
-            return {}
-        if c == "pause":
-            if self._run is None:
-                raise ValueError("not running")
-            self._stop.set()
-            self._run.join()
-            self._run = None
-            return dict(self._history)
-        if c == "page_in":
-            # Straight from a session folder (a live one too), not through engines/.
-            with self.adapter.lock:
-                ids = e.page_in(cmd["src"])
-                return {"seqs": ids, "n_tokens": {s.id: s.n_tokens for s in e.seq_blocks(ids)}}
-        if c == "state":
-            with self.adapter.lock:
-                seqs = {s.id: {"n_tokens": s.n_tokens, "blocks": [int(b) for b in s.block_ids],
-                               "tokens": e.tokens(s.id)} for s in e.seq_blocks()}
-                return {"seqs": seqs, "free": e.allocator.num_free(),
-                        "free_list": [int(b) for b in e.allocator.free_list()],
-                        "groups": dict(self.agent.groups), "attached": not self.agent.detached.is_set()}
-        raise ValueError(f"unknown command {c!r}")
-
-    def loop(self) -> None:
-        command_loop(self.handle)
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().rstrip("ib")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from engine_bridge.demo import PROMPT, tokenize
-    from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine
-
-    ap = argparse.ArgumentParser(prog="python -m engine_bridge.attach.agent",
-                                 description="Run the reference engine attached to a pffs mount.")
-    ap.add_argument("mount", help="mount point (or the engine socket's path)")
-    ap.add_argument("--name", required=True, help="the engine's folder name under MNT/engines/")
-    ap.add_argument("--blocks", type=int, default=256, help="KV pool blocks")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--seed", type=int, default=0, help="weights seed (engines must share it to exchange sessions)")
-    ap.add_argument("--staging", default="64M", help="shared staging buffer size")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--demo", action="store_true", help="decode a prompt as request demo-1, then idle")
-    mode.add_argument("--control", action="store_true", help="JSON commands on stdin, answers on stdout")
-    ap.add_argument("--steps", type=int, default=200, help="--demo: steps to run (each decodes every sequence)")
-    ap.add_argument("--interval", type=float, default=0.05, help="--demo: seconds between steps")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    cfg = ModelConfig()
-    engine = ReferenceEngine(cfg, dtype=args.dtype, num_blocks=args.blocks, block_size=args.block_size,
-                             seed=args.seed, name=args.name)
-    adapter = ReferenceAdapter(engine)
-    gone = threading.Event()
-    agent = Agent(adapter, args.mount, args.name, staging_bytes=_size(args.staging),
-                  on_detach=lambda a: gone.set())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # detach on the way out
-    if not attach_or_report(agent, args.name):
-        return 2
-    try:
-        if args.control:
-            print(json.dumps({"ok": True, "attached": args.name, "pid": os.getpid()}), flush=True)
-            _Controller(engine, adapter, agent).loop()
-        else:
-            if args.demo:
-                prompt = tokenize(PROMPT, cfg.vocab_size)
-                with adapter.lock:
-                    engine.add_request("demo-1", prompt)
-                print(f"engine {args.name}: request demo-1 ({len(prompt)} prompt tokens) is live under "
-                      f"{Path(args.mount) / 'engines' / args.name / 'demo-1'}", file=sys.stderr)
-            for _ in range(args.steps if args.demo else 0):
-                if gone.wait(args.interval):
-                    break
-                with adapter.lock:
-                    # Every sequence with its tokens decodes, sessions copied in too.
-                    ids = [s.id for s in engine.seq_blocks() if s.token_ids is not None]
-                    if ids:
-                        engine.step(ids)
-            while not gone.wait(0.5):   # attached until interrupted or unmounted
-                pass
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        agent.detach()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ after cp's requests for every file.  As cp copies each page file, the
 daemon now tells the engine which blob the file holds (a ``warm`` message:
 no answer); the agent reads that blob's frame from the store and decodes it
 here, on one thread, while cp goes on.  The load that follows takes the
-pages found here (:class:`engine_bridge.transport.blobpath.BlobSource`) and decodes the
+pages found here (:class:`engine_bridge.transport.store_blobs.BlobSource`) and decodes the
 others as before.
 
 Only named frames are decoded ahead (pffs.codec: the frame names its blob
@@ -30,7 +30,8 @@ import threading
 import time
 from typing import Any
 
-from engine_bridge.transport.blobpath import _fetch_frame, store_access
+from engine_bridge.transport.mountinfo import store_access
+from engine_bridge.transport.store_blobs import fetch_frame
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, PffsError
 from pffs.types import Digest, digest_bytes, is_digest
@@ -164,7 +165,7 @@ class WarmPages:
             out = bytearray(self.page_bytes)
             self.counts["buffers"] += 1
         try:
-            frame, _ = _fetch_frame(blobs, bucket, Digest(d))
+            frame, _ = fetch_frame(blobs, bucket, Digest(d))
             # (a frame without a name would be decoded unchecked: left to the load)
             checked = codec_mod.read_header(frame).named and \
                 codec_mod.decode_into_checked(frame, out, digest_bytes(Digest(d)))[1]

@@ -41,8 +41,8 @@ from engine_bridge.errors import (
     SourceChanged,
     WrongSizePage,
 )
-from engine_bridge.transport.blobpath import as_sink, as_source
-from engine_bridge.transport.folders import SessionSource, SinkLike, SourceLike
+from engine_bridge.transport.choose import as_sink, as_source
+from engine_bridge.transport.session_io import SessionSource, SinkLike, SourceLike
 from pffs.manifest import LAYOUTS as PAGE_LAYOUTS
 from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse
 from pffs.types import Digest, digest_of

@@ -36,7 +36,7 @@ from engine_bridge.core.bridge import Bridge, PageInResult, SeqBlocks, config_sh
 from engine_bridge.core.pool import FLASH_ATTN, TORCH_DTYPES, BlockId, KVLayout, KVPool, layout_of
 from engine_bridge.core.staging import DEFAULT_STAGING_BYTES
 from engine_bridge.errors import Refused
-from engine_bridge.transport.folders import SinkLike, SourceLike
+from engine_bridge.transport.session_io import SinkLike, SourceLike
 
 # Queries per attention chunk in a long prefill (bounds the score matrix).
 _ATTN_CHUNK = 256
@@ -114,7 +114,7 @@ def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
 
 
 @dataclass
-class StepOutput:
+class ReferenceStepOutput:
     """One sequence's result of a step: the greedy token and the logits (f32)."""
 
     token: int
@@ -290,12 +290,12 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------- decoding
 
-    def step(self, seq_ids: Sequence[str] | None = None) -> dict[str, StepOutput]:
+    def step(self, seq_ids: Sequence[str] | None = None) -> dict[str, ReferenceStepOutput]:
         """Run one step over a batch of sequences and append a greedy token to each."""
         with self._fixed_threads():
             return self._step(seq_ids)
 
-    def _step(self, seq_ids: Sequence[str] | None) -> dict[str, StepOutput]:
+    def _step(self, seq_ids: Sequence[str] | None) -> dict[str, ReferenceStepOutput]:
         ids = list(self.seqs if seq_ids is None else seq_ids)
         if len(set(ids)) != len(ids):
             raise ValueError("a sequence appears twice in the batch")
@@ -354,7 +354,7 @@ class ReferenceEngine:
         for k, s in enumerate(seqs):
             s.n_cached = len(s.tokens)
             s.tokens.append(int(chosen[k]))
-            out[s.id] = StepOutput(int(chosen[k]), logits[k])
+            out[s.id] = ReferenceStepOutput(int(chosen[k]), logits[k])
         return out
 
     def generate(self, seq_ids: Sequence[str], n_steps: int

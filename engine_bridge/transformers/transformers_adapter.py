@@ -78,7 +78,7 @@ from engine_bridge.core.pool import BlockId, KVLayout, KVPool  # noqa: E402
 from engine_bridge.core.staging import DEFAULT_STAGING_BYTES  # noqa: E402
 from engine_bridge.errors import NoFreeBlocks, Refused  # noqa: E402
 from engine_bridge.reference.reference_engine import weights_digest  # noqa: E402
-from engine_bridge.transport.folders import SinkLike, SourceLike  # noqa: E402
+from engine_bridge.transport.session_io import SinkLike, SourceLike  # noqa: E402
 from pffs.manifest import Manifest  # noqa: E402
 
 #: One layer's view of the cache: [num_blocks, 2, page_size, n_kv_heads, head_dim].
@@ -233,7 +233,7 @@ class LiveRequest:
 
 
 @dataclass
-class StepOutput:
+class TransformersStepOutput:
     """One request's result of a step: the greedy token and its logprob (or None)."""
 
     token: int
@@ -283,7 +283,10 @@ class TransformersAdapter:
 
     @property
     def scheduler(self):
-        return self.manager.batch_processor.scheduler
+        bp = self.manager.batch_processor
+        if bp is None:  # (the manager stopped without keeping it for a next session)
+            raise AttributeError("the continuous batching manager has no batch processor")
+        return bp.scheduler
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -437,7 +440,7 @@ class TransformersAdapter:
 
     # ------------------------------------------------------------- stepping
 
-    def step(self) -> dict[str, StepOutput]:
+    def step(self) -> dict[str, TransformersStepOutput]:
         """Run one batch by hand (the manager's thread must not run); new tokens by request."""
         if self.manager.is_running():
             raise RuntimeError("the manager's generation thread is running: it steps the engine")
@@ -451,7 +454,7 @@ class TransformersAdapter:
             if fs.has_new_token:
                 st = fs.state
                 lp = st.logprobs[-1] if bp.return_logprobs and st.logprobs else None
-                out[st.request_id] = StepOutput(st.generated_tokens[-1], lp)
+                out[st.request_id] = TransformersStepOutput(st.generated_tokens[-1], lp)
         return out
 
 
@@ -501,7 +504,7 @@ class TransformersEngine:
         """Queue a request; its first steps prefill the prompt."""
         self.manager.add_request(list(prompt), request_id=request_id, max_new_tokens=max_new_tokens)
 
-    def step(self, request_ids: Sequence[str] | None = None) -> dict[str, StepOutput]:
+    def step(self, request_ids: Sequence[str] | None = None) -> dict[str, TransformersStepOutput]:
         """One batch; checks that each of *request_ids* got a token."""
         out = self.adapter.step()
         for rid in request_ids or ():

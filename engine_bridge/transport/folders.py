@@ -1,11 +1,10 @@
-"""Where sessions are written and read: sinks and sources of page bytes.
+"""Sessions as folders: a sink and a source of page files in any directory,
+a pffs mount's included (through the mount: the way bytes travel when no
+other is open).
 
-The bridge talks to a small protocol, so the same page-out writes into a
-plain directory, a mounted pffs path (also just a directory) or, later,
-straight into a blob store.  A directory session appears atomically: it is
-built in a hidden ``.<name>.tmp-<random>/`` folder beside its destination,
-manifest.json written last, then renamed into place, never over an existing
-name.
+A folder session appears atomically: it is built in a hidden
+``.<name>.tmp-<random>/`` folder beside its destination, manifest.json
+written last, then renamed into place, never over an existing name.
 """
 
 from __future__ import annotations
@@ -16,58 +15,11 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Callable, Protocol, Union, runtime_checkable
+from typing import Callable
 
-from pffs.manifest import MANIFEST_NAME, PAGES_DIR, page_name
+from pffs.manifest import page_name
+from pffs.names import DIGEST_XATTR, MANIFEST_NAME, PAGES_DIR
 from pffs.types import Digest, digest_of, is_digest
-
-#: Extended attribute a pffs mount sets on page files: the digest of their bytes.
-DIGEST_XATTR = "user.pffs.digest"
-
-
-@runtime_checkable
-class SessionSink(Protocol):
-    """Receives one session: pages (any order), then the manifest, then commit.
-
-    ``write_page`` must consume *data* before it returns (the buffer is the
-    bridge's staging memory and is reused) and return the page's digest.
-    ``commit`` makes the session visible at once and raises FileExistsError
-    if the name is taken; ``abort`` discards everything written.  Pages are
-    written from one thread, in order, unless the sink sets
-    ``concurrent = True``: then several pages may be written at once.
-    """
-
-    def write_page(self, ix: int, data: memoryview) -> Digest: ...
-
-    def write_manifest(self, data: bytes) -> None: ...
-
-    def commit(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-
-@runtime_checkable
-class SessionSource(Protocol):
-    """Gives one session's manifest and page bytes.
-
-    ``read_page`` returns the exact bytes of a page file and raises
-    FileNotFoundError for a missing one.  ``page_digest`` may return the
-    digest of a page without reading it (a filesystem that knows it), else
-    None.  Sources may also offer ``page_size(ix) -> int`` and
-    ``read_page_into(ix, out) -> int`` (fill *out* when the page is exactly
-    ``len(out)`` bytes; return the page's size); the bridge uses them when
-    present to check sizes without reading and to read without copying.
-    """
-
-    def read_manifest(self) -> bytes: ...
-
-    def read_page(self, ix: int) -> bytes: ...
-
-    def page_digest(self, ix: int) -> Digest | None: ...
-
-
-SinkLike = Union[SessionSink, str, os.PathLike]
-SourceLike = Union[SessionSource, str, os.PathLike]
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -200,58 +152,3 @@ class DirSource:
             return None
         value = raw.decode("ascii", "replace").strip()
         return Digest(value) if is_digest(value) else None
-
-
-class MemorySession:
-    """A session held in memory: a sink that, once committed, is also a source.
-
-    It knows each page's digest from when it was written, and its bytes
-    cannot change, so it offers them as :meth:`page_digest`.
-    """
-
-    concurrent = True
-
-    def __init__(self) -> None:
-        self.pages: dict[int, bytes] = {}
-        self.digests: dict[int, Digest] = {}
-        self.manifest: bytes | None = None
-        self.committed = False
-        self._staged: dict[int, tuple[bytes, Digest]] = {}
-        self._manifest: bytes | None = None
-
-    def write_page(self, ix: int, data: memoryview) -> Digest:
-        b = bytes(data)
-        d = digest_of(b)
-        self._staged[ix] = (b, d)
-        return d
-
-    def write_manifest(self, data: bytes) -> None:
-        self._manifest = bytes(data)
-
-    def commit(self) -> None:
-        if self.committed:
-            raise FileExistsError(errno.EEXIST, "session exists", "<memory>")
-        self.pages = {ix: b for ix, (b, _) in self._staged.items()}
-        self.digests = {ix: d for ix, (_, d) in self._staged.items()}
-        self.manifest, self.committed = self._manifest, True
-        self._staged = {}
-
-    def abort(self) -> None:
-        self._staged, self._manifest = {}, None
-
-    def read_manifest(self) -> bytes:
-        if self.manifest is None:
-            raise FileNotFoundError(errno.ENOENT, "no manifest", MANIFEST_NAME)
-        return self.manifest
-
-    def read_page(self, ix: int) -> bytes:
-        try:
-            return self.pages[ix]
-        except KeyError:
-            raise FileNotFoundError(errno.ENOENT, "no such page", page_name(ix)) from None
-
-    def page_size(self, ix: int) -> int:
-        return len(self.read_page(ix))
-
-    def page_digest(self, ix: int) -> Digest | None:
-        return self.digests.get(ix)

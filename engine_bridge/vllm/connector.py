@@ -53,7 +53,7 @@ from engine_bridge.core.bridge import (
 )
 from engine_bridge.core.pool import DEFAULT_KV, DTYPE_NAMES, BlockId, VllmKVPool
 from engine_bridge.errors import BridgeError
-from engine_bridge.transport.blobpath import as_source
+from engine_bridge.transport.choose import as_source
 from pffs.manifest import Manifest
 
 if TYPE_CHECKING:

@@ -12,13 +12,17 @@ from __future__ import annotations
 import os
 
 from pffs.errors import PffsError
-from pffs.names import MANIFEST_NAME, PAGES_DIR
-
-ENTRIES_XATTR = "user.pffs.entries"
-FORK_XATTR = "user.pffs.fork"
-SAVE_XATTR = "user.pffs.save"
-LOAD_XATTR = "user.pffs.load"
-ENGINES = "engines"
+from pffs.names import (
+    CONTROL_DIR,
+    ENGINES_DIR,
+    ENTRIES_XATTR,
+    FORK_XATTR,
+    LOAD_XATTR,
+    MANIFEST_NAME,
+    PAGES_DIR,
+    SAVE_XATTR,
+    VERSION_NAME,
+)
 
 
 def mount_root(path: str | os.PathLike) -> str | None:
@@ -26,7 +30,7 @@ def mount_root(path: str | os.PathLike) -> str | None:
     p = os.path.abspath(path)
     while True:
         if os.path.ismount(p):
-            return p if os.path.exists(os.path.join(p, ".pffs", "version")) else None
+            return p if os.path.exists(os.path.join(p, CONTROL_DIR, VERSION_NAME)) else None
         up = os.path.dirname(p)
         if up == p:
             return None
@@ -61,7 +65,7 @@ def fork(src: str | os.PathLike, dst: str | os.PathLike) -> int:
     rs, rd = mount_root(s), mount_root(os.path.dirname(d))
     rel_s = _rel(s, rs).split(os.sep) if rs is not None else []
     # (A live session's manifest.json is made on demand, every page hashed: not looked at here.)
-    live_src = rel_s[:1] == [ENGINES] and len(rel_s) == 3
+    live_src = rel_s[:1] == [ENGINES_DIR] and len(rel_s) == 3
     if not (os.path.isdir(s) if live_src else os.path.isfile(man)):
         raise PffsError(f"{src}: not a session (no manifest.json)")
     if rs is None or rd is None or rs != rd:
@@ -108,7 +112,7 @@ def _live_target(d: str) -> tuple[str, str, str] | None:
         if root is None:
             continue
         rel = _rel(folder, root).split(os.sep)
-        if rel[:1] == [ENGINES] and len(rel) == 2:
+        if rel[:1] == [ENGINES_DIR] and len(rel) == 2:
             return root, folder, name
     return None
 

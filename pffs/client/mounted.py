@@ -8,13 +8,11 @@ from pathlib import Path
 
 from pffs.client.fork import fork, mount_root, place_manifest  # noqa: F401  (the session tools' API)
 from pffs.errors import PffsError
-from pffs.names import MANIFEST_NAME, PAGES_DIR
+from pffs.names import CONTROL_DIR, DIGEST_XATTR, MANIFEST_NAME, PAGES_DIR, VERSION_NAME
 from pffs.types import Digest
 
 # Imported where used: the manifest model, subprocess and hashlib (a quick
 # command would pay for them all).
-
-DIGEST_XATTR = "user.pffs.digest"
 
 
 def pffs_root(path: Path) -> Path | None:
@@ -25,7 +23,7 @@ def pffs_root(path: Path) -> Path | None:
 
 def daemon_info(mountpoint: Path) -> dict[str, str]:
     try:
-        text = (mountpoint / ".pffs" / "version").read_text()
+        text = (mountpoint / CONTROL_DIR / VERSION_NAME).read_text()
     except OSError as e:
         raise PffsError(f"{mountpoint}: not a mounted pffs ({e.strerror})") from None
     out = {}

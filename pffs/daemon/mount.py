@@ -30,6 +30,7 @@ from pffs import namespace
 from pffs.daemon import heap
 from pffs.errors import PffsError
 from pffs.fs.write_stage import journal_inode
+from pffs.names import FS_SUBTYPE
 from pffs.store.local import LocalBlobStore, PutBatch
 from pffs.store.storedir import StoreDir
 
@@ -281,7 +282,7 @@ class Daemon:
                          store_root=str(st.root),
                          store_json=direct.store_json(direct.store_info(st, self.opts)))
         fuse_opts = set(pyfuse3.default_options)
-        fuse_opts |= {f"fsname=pffs:{st.root}", "subtype=pffs", "default_permissions"}
+        fuse_opts |= {f"fsname=pffs:{st.root}", f"subtype={FS_SUBTYPE}", "default_permissions"}
         if self.opts.allow_other:
             fuse_opts.add("allow_other")
         pyfuse3.init(self.ops.ops, str(self.mountpoint), fuse_opts)

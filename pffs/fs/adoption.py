@@ -33,19 +33,13 @@ from pffs import manifest as mf
 from pffs import namespace as ns
 from pffs.codec import CODEC_RAW
 from pffs.errors import IntegrityError
+from pffs.names import DIRECT_PROTOCOL
 from pffs.namespace import BLOCK_SIZE, BlobRow
 from pffs.store.local import LocalBlobStore, PutBatch
 from pffs.types import Digest, is_digest
 
 log = logging.getLogger("pffs.fs")
 
-#: Version of store.json and of what a direct client may do with the store
-#: (2: blob frames hold their name, pffs.codec; a client of 1 would refuse them).
-PROTOCOL = 2
-#: Read-only, unlisted xattr of a session folder: see page_verdict.
-PAGES_XATTR = b"user.pffs.pages"
-#: Read-only, unlisted xattr of the mount's root: the bytes of .pffs/store.json.
-STORE_XATTR = b"user.pffs.store"
 #: Bad pages named in one verdict; past that the verdict says "more".
 VERDICT_MAX = 256
 
@@ -59,7 +53,7 @@ def store_info(store, opts) -> dict:
     client brings itself) and the mount's cache folder, whose frames a
     client on this host may read.
     """
-    info: dict = {"protocol": PROTOCOL, "pid": os.getpid()}
+    info: dict = {"protocol": DIRECT_PROTOCOL, "pid": os.getpid()}
     root = store.root
     st = os.stat(root)
     blobs = store.blobs

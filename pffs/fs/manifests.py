@@ -30,23 +30,12 @@ from pffs.fs.db import Database
 from pffs.fs.files import Files
 from pffs.fs.inodes import InodeTable, Invalidator
 from pffs.fs.routing import reserved
+from pffs.names import SAVE_XATTR_B as SAVE_XATTR
 from pffs.namespace import FsError
 
 log = logging.getLogger("pffs.fs")
 
 MANIFEST = mf.MANIFEST_NAME.encode()
-# Write-only, on a session folder holding an empty pages/ (what `pffs fork`
-# makes): its value, a path from the mount's root to a valid manifest.json,
-# gives the folder a manifest.json holding the same blob, and the pages as a
-# metadata-only fork would.  No byte of the manifest crosses FUSE.
-FORK_XATTR = b"user.pffs.fork"
-# Write-only, on a live session folder engines/E/S: its value, the path of a
-# new session from the mount's root, has engine E page S out there itself.
-SAVE_XATTR = b"user.pffs.save"
-# Write-only, on an engine's folder engines/E: its value, JSON {"session":
-# path from the mount's root, "name": a session name}, has E page that
-# session in itself.
-LOAD_XATTR = b"user.pffs.load"
 
 
 def _may(node: ns.Inode, ctx, bit: int) -> bool:

@@ -21,15 +21,20 @@ import trio
 from pyfuse3 import FUSEError
 
 from pffs import namespace as ns
-from pffs.fs.adoption import PAGES_XATTR, STORE_XATTR, page_verdict
+from pffs.fs.adoption import page_verdict
 from pffs.fs.blobcache import BlobReader
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
 from pffs.fs.files import MANIFEST, Files
 from pffs.fs.inodes import InodeTable, Invalidator
-from pffs.fs.manifests import FORK_XATTR, Manifests
+from pffs.fs.manifests import Manifests
 from pffs.fs.prefetch import LISTING_MAX, Prefetch
 from pffs.fs.routing import ROOT, Tree, reserved
+from pffs.names import DIGEST_XATTR_B as DIGEST_XATTR
+from pffs.names import ENTRIES_XATTR_B as ENTRIES_XATTR
+from pffs.names import FORK_XATTR_B as FORK_XATTR
+from pffs.names import PAGES_XATTR_B as PAGES_XATTR
+from pffs.names import STORE_XATTR_B as STORE_XATTR
 from pffs.namespace import FsError
 
 log = logging.getLogger("pffs.fs")
@@ -37,9 +42,6 @@ log = logging.getLogger("pffs.fs")
 ENTRY_TIMEOUT = 10.0
 ATTR_TIMEOUT = 10.0
 BLKSIZE = 1 << 20
-DIGEST_XATTR = b"user.pffs.digest"
-# Directories: how many names they hold (read-only, not listed, like the digest).
-ENTRIES_XATTR = b"user.pffs.entries"
 READONLY_XATTRS = (DIGEST_XATTR, ENTRIES_XATTR, PAGES_XATTR, STORE_XATTR)
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 << 10

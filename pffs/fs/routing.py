@@ -15,6 +15,7 @@ import errno
 import pyfuse3
 from pyfuse3 import FUSEError
 
+from pffs.names import CONTROL_DIR_B, ENGINES_DIR_B
 from pffs.namespace import BlobRow
 from pffs.types import InodeNo
 
@@ -36,7 +37,7 @@ FILE_HANDLES = ((1, VIRT_BASE, NAMESPACE), (VIRT_BASE, LIVE_HANDLES, PFFS),
 DIR_HANDLES = ((1, VIRT_BASE, NAMESPACE), (VIRT_BASE, LIVE_BASE, PFFS), (LIVE_HANDLES, TOP, ENGINES))
 
 # Names in the namespace's root that are other trees' (never rows).
-GRAFTS = {b".pffs": PFFS, b"engines": ENGINES}
+GRAFTS = {CONTROL_DIR_B: PFFS, ENGINES_DIR_B: ENGINES}
 ROOT = InodeNo(1)
 
 

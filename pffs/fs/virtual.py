@@ -25,8 +25,10 @@ from pffs import namespace as ns
 from pffs.fs.blobcache import BlobReader
 from pffs.fs.db import Database
 from pffs.fs.files import NOFLUSH
-from pffs.fs.manifests import LOAD_XATTR, SAVE_XATTR
 from pffs.fs.routing import ROOT, VIRT_BASE, Tree
+from pffs.names import LOAD_XATTR_B as LOAD_XATTR
+from pffs.names import SAVE_XATTR_B as SAVE_XATTR
+from pffs.names import SOCKET_NAME_B, STATS_NAME_B, STORE_INFO_NAME_B, VERSION_NAME_B
 
 PFFS_DIR = VIRT_BASE + 1
 STATS = VIRT_BASE + 2
@@ -35,7 +37,7 @@ SOCK = VIRT_BASE + 4
 STORE = VIRT_BASE + 5
 FH_BASE = VIRT_BASE      # (pffs.fs.routing.FILE_HANDLES)
 
-_FILES = {b"stats.json": STATS, b"version": VERSION, b"engine.sock": SOCK, b"store.json": STORE}
+_FILES = {STATS_NAME_B: STATS, VERSION_NAME_B: VERSION, SOCKET_NAME_B: SOCK, STORE_INFO_NAME_B: STORE}
 
 
 class PffsTree(Tree):

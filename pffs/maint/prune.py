@@ -20,6 +20,7 @@ from typing import Iterator
 from pffs import manifest as mf
 from pffs.client.mounted import daemon_info, pffs_root
 from pffs.errors import PffsError
+from pffs.names import ENGINES_DIR
 
 
 @dataclass
@@ -49,7 +50,7 @@ def find_sessions(top: Path, mount_root: Path) -> Iterator[Session]:
         for ent in entries:
             if ent.is_dir(follow_symlinks=False):
                 p = Path(ent.path)
-                if d == mount_root and ent.name == "engines":
+                if d == mount_root and ent.name == ENGINES_DIR:
                     continue  # live engine sessions are not files to prune
                 stack.append(p)
 

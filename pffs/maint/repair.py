@@ -40,13 +40,13 @@ from pffs import namespace as ns
 from pffs.errors import IntegrityError, PffsError
 from pffs.maint import check as fsck
 from pffs.maint.snapshots import list_snapshots
+from pffs.names import LOST_XATTR_B as LOST_XATTR
 from pffs.store.local import LocalBlobStore
 from pffs.store.storedir import StoreDir
 from pffs.types import Digest
 
 LOST_FOUND = b"lost+found"
 AFTER_SNAPSHOT = b"after-snapshot"
-LOST_XATTR = b"user.pffs.lost"
 # Blobs this much older than a restored snapshot count as written after it
 # too: a commit naming them may have landed just after the copy was taken.
 SNAPSHOT_SLACK = 120.0

@@ -28,13 +28,13 @@ from typing import Iterator
 
 from pffs import codec as codec_mod
 from pffs.errors import PffsError
+from pffs.names import SOCKET_NAME
 from pffs.store.local import LocalBlobStore
 
 LOCK_NAME = "lock"
 LOG_NAME = "pffs.log"
 STAGING_DIR = "staging"
 SNAPSHOT_DIR = "snapshots"
-SOCKET_NAME = "engine.sock"
 GC_LOCK_NAME = "gc.lock"
 GC_INTENT_NAME = "gc.intent"
 PINS_DIR = "pins"
