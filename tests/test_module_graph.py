@@ -177,3 +177,35 @@ def test_each_engine_adapter_sits_in_its_own_folder():
         assert (folder / "__init__.py").is_file(), adapter
     loose = sorted(p.name for p in (ROOT / "engine_bridge").glob("*.py"))
     assert not [n for n in loose if any(a in n for a in ("reference", "transformers", "vllm"))], loose
+
+
+def test_pffs_live_is_made_of_members_and_shares_only_public_names():
+    """pffs.live's parts are members of one another, never base classes (the
+    engines/ tree is built on the tree protocol, pffs.fs.routing.Tree, alone);
+    what one module uses of another is public (no ``_name`` imported across
+    modules), and no module imports a name only for others to import it
+    from there (``noqa: F401``)."""
+    modules = _modules()
+    allowed_bases = {("pffs.fs.routing", "Tree")}
+    wrong = []
+    for name, path in modules.items():
+        if not name.startswith("pffs.live"):
+            continue
+        src = path.read_text()
+        if "noqa: F401" in src:
+            wrong.append(f"{name}: a name imported for others (noqa: F401)")
+        imported: dict[str, tuple[str, str]] = {}
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level \
+                    and node.module.split(".")[0] in PACKAGES:
+                for a in node.names:
+                    if a.name.startswith("_"):
+                        wrong.append(f"{name}: imports {a.name} from {node.module}")
+                    imported[a.asname or a.name] = (node.module, a.name)
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef):
+                for b in node.bases:
+                    origin = imported.get(b.id) if isinstance(b, ast.Name) else None
+                    if origin is not None and origin not in allowed_bases:
+                        wrong.append(f"{name}: {node.name} is built on {origin[0]}.{origin[1]}")
+    assert wrong == []
