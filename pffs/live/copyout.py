@@ -62,11 +62,15 @@ class CopyOut:
             self._store_ahead(pages, snap, range(snap.n_pages))
             return None     # (its bytes are copied, and checked where they land)
         # Whole batches where the engine stores them (else a request a page, once cp moved on)
-        b = ENGINE_STORE_BATCH if self.store.adopt_blobs is not None and pages.stores else 1
+        b = ENGINE_STORE_BATCH if self._engine_stores_them(pages) else 1
         self._store_ahead(pages, snap, range(h.ix, min(snap.n_pages, -(-(h.ix + COPY_AHEAD) // b) * b)))
         await snap.storing[h.ix].wait()
         row = snap.blobs.get(h.ix)
         return None if row is None else (row.digest, row.raw_size, row)
+
+    def _engine_stores_them(self, pages: EnginePages) -> bool:
+        """Whether the engine stores these pages itself (and the daemon adopts them)."""
+        return self.store.adopt_blobs is not None and pages.stores
 
     def _store_ahead(self, pages: EnginePages, snap: Snapshot, ixs: range) -> None:
         """Queue pages *ixs* to be stored, in order: tasks take them first come
@@ -76,7 +80,7 @@ class CopyOut:
             if j not in snap.storing:
                 snap.storing[j] = trio.Event()
                 self._store_queue.append((pages, snap, j))
-        at_once = ENGINE_STORES_AT_ONCE if self.store.adopt_blobs is not None and pages.stores else STORE_AT_ONCE
+        at_once = ENGINE_STORES_AT_ONCE if self._engine_stores_them(pages) else STORE_AT_ONCE
         while self._store_runners < min(at_once, len(self._store_queue)):
             self._store_runners += 1
             self.nursery.start_soon(self._store_runner)
@@ -85,7 +89,7 @@ class CopyOut:
         try:
             while self._store_queue:
                 pages, snap, ix = self._store_queue.popleft()
-                if self.store.adopt_blobs is not None and pages.stores:
+                if self._engine_stores_them(pages):
                     ixs = [ix]
                     while self._store_queue and len(ixs) < ENGINE_STORE_BATCH \
                             and self._store_queue[0][1] is snap:
@@ -120,7 +124,8 @@ class CopyOut:
                 log.debug("engines/%s/%s: pages not stored ahead of their copy: %s", pages.link.name,
                           snap.session, e)
         except Exception as e:  # (the engine went, the store is full): the copies move the bytes
-            log.debug("engines/%s/%s: pages not stored ahead of their copy: %s", pages.link.name, snap.session, e)
+            log.debug("engines/%s/%s: pages not stored ahead of their copy: %s", pages.link.name,
+                      snap.session, e)
         finally:
             for k in left:
                 snap.storing[k].set()
