@@ -190,11 +190,13 @@ def test_a_folder_being_copied_in_counts_its_subfolders_as_they_change():
     """Node.subdirs (the link count 2 + subfolders) follows mkdir, create,
     unlink, rmdir and rename, and a folder's attributes read it without
     going through its children."""
+    from pffs.live.attrs import LiveAttrs
+    from pffs.live.numbering import KernelCache
     from pffs.live.registry import LiveRegistry
-    from pffs.live.view import LiveView
 
     inc, pages, _, _ = _incoming(1)
-    view = LiveView(LiveRegistry())
+    cache = KernelCache(None)
+    attrs = LiveAttrs(LiveRegistry(cache), cache)
 
     def folders(node):
         return sum(stat.S_ISDIR(c.mode) for c in dict.values(node.children))
@@ -214,7 +216,7 @@ def test_a_folder_being_copied_in_counts_its_subfolders_as_they_change():
     for node in (inc.root, pages, b):
         assert node.subdirs == folders(node)
         node.children = _NotWalked(node.children)
-        assert view._node_attr(node).st_nlink == 2 + folders(node)
+        assert attrs.node(node).st_nlink == 2 + folders(node)
     inc.drop()
     assert inc.root.subdirs == 0
 
@@ -279,12 +281,12 @@ def test_the_page_in_memfd_holds_pages_then_the_manifest():
 
 
 def test_pages_are_stored_ahead_in_the_order_a_copy_asks_for_them():
-    """LiveView._store_ahead: a copy out of a live session (cp -r, one file at a
+    """CopyOut._store_ahead: a copy out of a live session (cp -r, one file at a
     time, page 0 first) finds its pages stored in that order, a snapshot's
     pages named by the digests its manifest lists."""
-    from pffs.live.registry import LiveRegistry
-    from pffs.live.listings import Snapshot
-    from pffs.live.view import STORE_AT_ONCE, LiveView
+    from pffs.live.copyout import STORE_AT_ONCE, CopyOut
+    from pffs.live.handles import LiveStore
+    from pffs.live.pages import Snapshot
 
     started: list[int] = []
     stored: list[tuple[int, str | None]] = []
@@ -301,8 +303,8 @@ def test_pages_are_stored_ahead_in_the_order_a_copy_asks_for_them():
             return await fn(memoryview(bytes([ix])))
 
     async def main():
-        view = LiveView(LiveRegistry())
-        snap = Snapshot(Engine(), 1, "s", 12)     # type: ignore[arg-type]
+        engine = Engine()
+        snap = Snapshot(1, "s", 12)
         snap.skeleton = make_manifest([bytes([i]) * 8 for i in range(12)])
         snap.manifest = b"{}"
 
@@ -310,11 +312,13 @@ def test_pages_are_stored_ahead_in_the_order_a_copy_asks_for_them():
             await trio.sleep(0)
             stored.append((data[0], digest))
             return data[0]
-        view.store_blob = store_blob
+
+        async def fetch_blob(digest):
+            raise AssertionError("no blob is read")
         async with trio.open_nursery() as nursery:
-            view.spawn = nursery.start_soon
-            view._store_ahead(snap.engine, snap, range(12))   # type: ignore[arg-type]
-            assert view._store_runners == STORE_AT_ONCE
+            copy_out = CopyOut(LiveStore(fetch_blob, store_blob), {"pages_stored": 0}, nursery)
+            copy_out._store_ahead(engine, snap, range(12))   # type: ignore[arg-type]
+            assert copy_out._store_runners == STORE_AT_ONCE
         assert all(snap.storing[i].is_set() for i in range(12))
         return snap
     snap = trio.run(main)

@@ -221,3 +221,35 @@ def test_the_engine_bridge_reaches_pffs_through_its_public_modules_only():
                        and t not in BRIDGE_MAY_IMPORT and not t.startswith("pffs.client."))
     assert offenders == []
     assert "pffs.client.access" in {t for m, ts in graph.items() if m.startswith("engine_bridge.") for t in ts}
+
+
+def test_pffs_live_is_made_of_members_and_shares_only_public_names():
+    """pffs.live's parts are members of one another, never base classes (the
+    engines/ tree is built on the tree protocol, pffs.fs.routing.Tree, alone);
+    what one module uses of another is public (no ``_name`` imported across
+    modules), and no module imports a name only for others to import it
+    from there (``noqa: F401``)."""
+    modules = _modules()
+    allowed_bases = {("pffs.fs.routing", "Tree")}
+    wrong = []
+    for name, path in modules.items():
+        if not name.startswith("pffs.live"):
+            continue
+        src = path.read_text()
+        if "noqa: F401" in src:
+            wrong.append(f"{name}: a name imported for others (noqa: F401)")
+        imported: dict[str, tuple[str, str]] = {}
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level \
+                    and node.module.split(".")[0] in PACKAGES:
+                for a in node.names:
+                    if a.name.startswith("_"):
+                        wrong.append(f"{name}: imports {a.name} from {node.module}")
+                    imported[a.asname or a.name] = (node.module, a.name)
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef):
+                for b in node.bases:
+                    origin = imported.get(b.id) if isinstance(b, ast.Name) else None
+                    if origin is not None and origin not in allowed_bases:
+                        wrong.append(f"{name}: {node.name} is built on {origin[0]}.{origin[1]}")
+    assert wrong == []

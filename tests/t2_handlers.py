@@ -18,6 +18,16 @@ from pffs.fs.operations import build
 from pffs.store.storedir import StoreDir
 
 
+def _build(db, content, **kw):
+    """build() for tests that run their handlers in trio.run calls of their
+    own: its nursery is closed once built (nothing here starts background
+    work through it)."""
+    async def built():
+        async with trio.open_nursery() as nursery:
+            return build(db, content, nursery=nursery, **kw)
+    return trio.run(built)
+
+
 @pytest.fixture
 def ops(tmp_path):
     store = StoreDir(tmp_path / "store")
@@ -25,7 +35,7 @@ def ops(tmp_path):
     ns.open_db(store.root).close()
     db = Database(store.db_path)
     content = ContentStore(store.blobs, store.staging_dir)
-    h = build(db, content)
+    h = _build(db, content)
     yield h
     content.workers.stop()
     h.stop()
@@ -182,7 +192,7 @@ def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_pat
     ns.open_db(store.root).close()
     db = Database(store.db_path)
     content = ContentStore(store.blobs, store.staging_dir)
-    h = build(db, content, staging_memory=1 << 20)
+    h = _build(db, content, staging_memory=1 << 20)
     o = h.ops
     where = []
     real_spill = staging.Staging._spill

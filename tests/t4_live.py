@@ -313,7 +313,7 @@ def test_a_session_copied_in_is_the_live_one_as_soon_as_cp_returns(mnt, engines)
     live session's manifest.json and pages (their own inode numbers), never
     the files just copied, which are gone (ENOENT through a name the kernel
     kept)."""
-    from pffs.live.view import MANIFEST_J, PAGE_OFFSET, PAGES_J
+    from pffs.live.numbering import MANIFEST_J, PAGE_OFFSET, PAGES_J
 
     e1, e2 = engines(mnt, "e1", "e2")
     e1("add", id="r", prompt=PROMPT)
@@ -538,7 +538,7 @@ def test_a_reader_keeps_one_snapshot_from_its_listing_to_its_manifest(mnt):
     that snapshot's for as long as it keeps reading, past SNAPSHOT_REUSE
     (cp -r copies pages/ before manifest.json); opening manifest.json again
     gives the session as it is now."""
-    from pffs.live.listings import SNAPSHOT_REUSE
+    from pffs.live.engines import SNAPSHOT_REUSE
 
     engine = ReferenceEngine(seed=SEED, num_blocks=64)
     adapter = ReferenceAdapter(engine)

@@ -205,13 +205,16 @@ class Daemon:
         self.remote: RemoteMount | None = None    # of an S3 store
         self.journals: list[str] = []
         self.trim_heaps = trim_heaps     # (see heap.fix_malloc)
+        self.mounted = False     # (prepare() succeeded: close() at the end)
 
     ops: Made[Handlers] = Made()
     db: Made[Database] = Made()
     live: Made[LiveEngines] = Made()
     reserve: Made[SpaceReserve] = Made()
 
-    def prepare(self) -> None:
+    def prepare(self, nursery: trio.Nursery) -> None:
+        """Lock the store, make the parts (their work in the background going
+        to *nursery*) and mount: nothing is served until main() runs the loop."""
         from pffs.daemon.reserve import SpaceReserve, free_bytes
         from pffs.fs import adoption as direct
         from pffs.fs.content import ContentStore
@@ -270,17 +273,14 @@ class Daemon:
                                sync_on_close=sync_on_close, pending=pending, stored_bytes=stored,
                                gc_lock=st.gc_lock, recount=self.recount, adopt=adopt,
                                accepted=self.accepted_manifest, accepted_pages=self.accepted_pages)
-        from pffs.live.engines import Registry
         from pffs.live.server import LiveEngines
-        from pffs.live.view import LiveView
-        registry = Registry(mountpoint=str(self.mountpoint))
-        self.live = LiveEngines(st.socket_path, registry)
-        self.live.listen()
-        self.ops = build(self.db, content, cache_size=cache_size,
+        self.ops = build(self.db, content, nursery=nursery, cache_size=cache_size,
                          staging_memory=self.opts.staging_memory, journal_fsync=st.url is None,
-                         live=LiveView(registry), socket_path=str(st.socket_path),
+                         live_mount=str(self.mountpoint), socket_path=str(st.socket_path),
                          store_root=str(st.root),
                          store_json=direct.store_json(direct.store_info(st, self.opts)))
+        assert self.ops.engines is not None     # (live_mount given)
+        self.live = LiveEngines.listen(st.socket_path, self.ops.engines.registry)
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {f"fsname=pffs:{st.root}", f"subtype={FS_SUBTYPE}", "default_permissions"}
         if self.opts.allow_other:
@@ -304,8 +304,21 @@ class Daemon:
         except OSError as e:
             log.debug("read-ahead left at the default: %s", e)
 
-    async def main(self) -> None:
+    async def main(self, ready: Callable[[str], None]) -> str | None:
+        """Check the mount point, prepare() with the daemon's nursery, say
+        *ready*, and serve until unmounted.  Why mounting failed (said to
+        *ready* too), or None."""
         async with trio.open_nursery() as nursery:
+            try:
+                check_mountpoint(self.mountpoint)
+                self.prepare(nursery)
+            except (PffsError, OSError, RuntimeError) as e:
+                log.error("mount %s failed: %s", self.mountpoint, e)
+                ready(f"error {e}")
+                self.store.unlock()
+                return str(e)
+            self.mounted = True
+            ready("ok")
             self.ops.files.nursery = nursery
             nursery.start_soon(self.ops.invalidate.run)
             nursery.start_soon(self._signals, nursery)
@@ -330,6 +343,7 @@ class Daemon:
         with trio.CancelScope(shield=True):
             await self.ops.files.commit_all()
             await self.ops.content.sync_pending()
+        return None
 
     async def _syncer(self) -> None:
         """Blobs written by closes become durable within SYNC_INTERVAL, in groups."""
@@ -450,23 +464,18 @@ def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foregroun
     sys.setswitchinterval(0.0005)
     faulthandler.enable(open(st.log_path, "a"))
     d = Daemon(st, mp, opts, trim_heaps=trim_heaps)
-    try:
-        check_mountpoint(mp)
-        d.prepare()
-    except (PffsError, OSError, RuntimeError) as e:
-        log.error("mount %s failed: %s", mp, e)
-        ready(f"error {e}")
-        st.unlock()
-        raise PffsError(str(e)) from None
-    ready("ok")
     unmount = True
     try:
-        trio.run(d.main)
+        failed = trio.run(d.main, ready)
     except BaseException:
-        log.exception("daemon main loop failed")
+        if d.mounted:
+            log.exception("daemon main loop failed")
         raise
     finally:
-        d.close(unmount)
+        if d.mounted:
+            d.close(unmount)
+    if failed is not None:
+        raise PffsError(failed)
     return 0
 
 

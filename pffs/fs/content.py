@@ -29,7 +29,7 @@ from pffs.fs.db import WorkerPool
 from pffs.fs.write_stage import Staging
 from pffs.namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
 from pffs.store.base import BlobStore
-from pffs.store.local import PutBatch
+from pffs.store.local import LocalBlobStore, PutBatch
 from pffs.store.storedir import GcLock
 from pffs.types import Digest, digest_of
 
@@ -316,6 +316,12 @@ class ContentStore:
             if self.sync_on_close:
                 batch.sync()
             return rows[0]
+
+    @property
+    def can_adopt_stored(self) -> bool:
+        """Whether blobs an engine put in the store itself can be given rows
+        (adopt_stored): a store folder on this host, with an adopter."""
+        return self.adopt is not None and isinstance(self.blobs, LocalBlobStore)
 
     def adopt_stored(self, digests: Sequence[str]) -> None:
         """In a commit thread: blobs a live engine put in the (local) store

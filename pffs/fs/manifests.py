@@ -6,18 +6,17 @@ before the name is given; accepting it gives its folder's ``pages/`` the
 page files it lists as a metadata-only fork (``namespace.fork_pages``).
 ``pffs fork`` asks for such a fork with one setxattr on the new folder
 (FORK_XATTR), or has a live engine's bridge page a session out or in
-(SAVE_XATTR, LOAD_XATTR).
+(SAVE_XATTR, LOAD_XATTR: set on a folder of ``engines/``, answered by
+pffs.live.view.EnginesTree with the checks of resolve_new and
+resolve_readable).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import os
 import stat
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 from pyfuse3 import FUSEError
@@ -30,7 +29,6 @@ from pffs.fs.db import Database
 from pffs.fs.files import Files
 from pffs.fs.inodes import InodeTable, Invalidator
 from pffs.fs.routing import reserved
-from pffs.names import SAVE_XATTR_B as SAVE_XATTR
 from pffs.namespace import FsError
 
 log = logging.getLogger("pffs.fs")
@@ -57,7 +55,6 @@ class Manifests:
     files: Files
     reader: BlobReader
     invalidate: Invalidator
-    live: Any = None     # pffs.live.view.LiveView while the daemon serves engines/
 
     async def validate_existing(self, ino: int, new_parent: int, op: str):
         """Validate the content of *ino* before it takes the name manifest.json."""
@@ -175,28 +172,3 @@ class Manifests:
         if ns.lookup(self.db.ro, parent, parts[-1]) is not None:
             raise FsError(errno.EEXIST)
         return parent
-
-    async def live_fork(self, inode: int, name: bytes, value: bytes, ctx) -> None:
-        """``pffs fork`` out of or into ``engines/``: the engine's bridge moves the
-        bytes itself (the direct path where its process may use the store).
-
-        SAVE_XATTR on ``engines/E/S``, value a new session's path from the
-        mount's root; LOAD_XATTR on ``engines/E``, value JSON ``{"session":
-        path, "name": name}``.  The caller's permissions are checked as for
-        writing, or reading, those paths.
-        """
-        live = self.live
-        if name == SAVE_XATTR:
-            parent = self.resolve_new(value, ctx)
-            where = "/" + os.fsdecode(value).strip("/")
-            await live.save(inode, live.reg.mountpoint + where, where)
-            self.invalidate.inode(parent, True)
-            return
-        try:
-            spec = json.loads(value)
-            src, target = os.fsencode(spec["session"]), str(spec["name"])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise FUSEError(errno.EINVAL) from None
-        self.resolve_readable(src.rstrip(b"/") + b"/" + MANIFEST, ctx)
-        where = "/" + os.fsdecode(src).strip("/")
-        await live.load(inode, target, live.reg.mountpoint + where, where, ctx)

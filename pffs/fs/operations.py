@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import pyfuse3
+import trio
 from pyfuse3 import FUSEError
 
 from pffs import namespace as ns
@@ -42,9 +43,12 @@ from pffs.fs.routing import (
     Tree,
     tree_of,
 )
-from pffs.fs.virtual import EnginesTree, PffsTree
+from pffs.fs.virtual import PffsTree
+from pffs.live.engines import Registry
+from pffs.live.handles import LiveStore
+from pffs.live.numbering import KernelCache
+from pffs.live.view import EnginesTree
 from pffs.namespace import FsError
-from pffs.store.local import LocalBlobStore
 
 log = logging.getLogger("pffs.fs")
 
@@ -326,6 +330,7 @@ class Handlers:
     invalidate: Invalidator
     manifests: Manifests
     pffs: PffsTree
+    engines: EnginesTree | None      # (with live_mount: its registry is the engine socket's)
 
     @property
     def db(self) -> Database:
@@ -343,11 +348,12 @@ class Handlers:
         self.prefetch.stop()
 
 
-def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
-          staging_memory: int = 128 << 20, journal_fsync: bool = True, live=None,
+def build(db: Database, content: ContentStore, *, nursery: trio.Nursery, cache_size: int = 128 << 20,
+          staging_memory: int = 128 << 20, journal_fsync: bool = True, live_mount: str | None = None,
           socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n") -> Handlers:
-    """The handlers of a mount of *db* and *content*; *live*, a
-    pffs.live.view.LiveView, serves ``engines/``."""
+    """The handlers of a mount of *db* and *content*, their work in the
+    background going to *nursery*; with *live_mount* (where the mount is, for
+    engines told of paths in it) they serve ``engines/`` too."""
     if not (COPY_RANGE and NOFLUSH):
         log.info("pyfuse3 %s without third_party/pyfuse3's patch: copies within the mount move "
                  "their bytes (no copy_file_range), and a reader's close costs a FLUSH request",
@@ -362,31 +368,28 @@ def build(db: Database, content: ContentStore, *, cache_size: int = 128 << 20,
     invalidate = Invalidator(inodes)
     files = Files(db, content, inodes, reader, prefetch, invalidate,
                   staging_memory=staging_memory, journal_fsync=journal_fsync)
-    manifests = Manifests(db, content, inodes, files, reader, invalidate, live=live)
+    manifests = Manifests(db, content, inodes, files, reader, invalidate)
+    # The attached engines, told of what the kernel may keep of engines/.
+    registry = None if live_mount is None else Registry(KernelCache(invalidate), mountpoint=live_mount)
     requests: dict[str, int] = {}
     pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json, files.copies,
-                    live.reg.counts if live is not None else None, content.named)
+                    registry.counts if registry is not None else None, content.named)
     trees: dict[str, Tree] = {
         NAMESPACE: NamespaceTree(db, content, inodes, files, manifests, prefetch, invalidate,
                                  store_json),
         PFFS: pffs,
     }
-    if live is not None:
-        # A page named by its blob in a session being copied in: its bytes, when
-        # something reads or changes them before the engine takes the session.
-        live.fetch_blob = lambda digest: reader.blob(digest, ns.ROOT_INODE)
-        # A live page copied out of engines/ is stored as a blob (ahead of the copy).
-        live.store_blob = lambda data, digest=None: content.workers.call(content.store_bytes, data, digest)
-        if content.adopt is not None and isinstance(content.blobs, LocalBlobStore):
+    engines = None
+    if registry is not None:
+        store = LiveStore(
+            # A page named by its blob in a session being copied in: its bytes, when
+            # something reads or changes them before the engine takes the session.
+            fetch_blob=lambda digest: reader.blob(digest, ns.ROOT_INODE),
+            # A live page copied out of engines/ is stored as a blob (ahead of the copy) ...
+            store_blob=lambda data, digest=None: content.workers.call(content.store_bytes, data, digest),
             # ... or stored by the engine itself, straight into the store, and adopted.
-            live.adopt_blobs = lambda digests: content.workers.call(content.adopt_stored, digests)
-        live.invalidate = invalidate
-
-        def spawn(fn, *args) -> None:
-            if files.nursery is None:
-                raise RuntimeError("no nursery yet")
-            files.nursery.start_soon(fn, *args)
-        live.spawn = spawn
-        trees[ENGINES] = EnginesTree(live, manifests)
+            adopt_blobs=((lambda digests: content.workers.call(content.adopt_stored, digests))
+                         if content.can_adopt_stored else None))
+        engines = trees[ENGINES] = EnginesTree(registry, store, manifests, nursery)
     return Handlers(Operations(trees, requests, files.copies), inodes, files, prefetch, reader, invalidate,
-                    manifests, pffs)
+                    manifests, pffs, engines)

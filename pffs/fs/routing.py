@@ -110,7 +110,7 @@ class Tree:
     async def open(self, inode, flags, ctx) -> pyfuse3.FileInfo:
         raise FUSEError(errno.EACCES)
 
-    async def read(self, fh, off, size) -> bytes:
+    async def read(self, fh, off, size) -> bytes | memoryview:
         raise FUSEError(errno.EBADF)
 
     async def write(self, fh, off, buf) -> int:

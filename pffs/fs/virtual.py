@@ -6,8 +6,8 @@ requests served, by operation), ``version``, ``store.json`` (where the store
 is, for engines' bridges on this host: pffs.fs.adoption) and ``engine.sock``
 (a symlink to the live-engine socket in the store folder).
 
-``EnginesTree`` serves ``engines/`` (pffs.live.view) in the same handler
-protocol.
+``engines/`` is another tree in the same handler protocol
+(pffs.live.view.EnginesTree).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from pffs.fs.blobcache import BlobReader
 from pffs.fs.db import Database
 from pffs.fs.files import NOFLUSH
 from pffs.fs.routing import ROOT, VIRT_BASE, Tree
-from pffs.names import LOAD_XATTR_B as LOAD_XATTR
-from pffs.names import SAVE_XATTR_B as SAVE_XATTR
 from pffs.names import SOCKET_NAME_B, STATS_NAME_B, STORE_INFO_NAME_B, VERSION_NAME_B
+from pffs.types import FileHandle, InodeNo
 
 PFFS_DIR = VIRT_BASE + 1
 STATS = VIRT_BASE + 2
@@ -54,7 +53,7 @@ class PffsTree(Tree):
         self.store_root = store_root
         self.socket_path = socket_path.encode()
         self.store_json = store_json         # (pffs.fs.adoption.store_info)
-        self.handles: dict[int, bytes] = {}
+        self.handles: dict[FileHandle, bytes] = {}
         self._next_fh = FH_BASE
         self._t = ns.now_ns()
         self._stats: tuple[int, dict] | None = None   # (db data_version, namespace figures)
@@ -113,7 +112,8 @@ class PffsTree(Tree):
             return self._attr(ino, stat.S_IFREG | 0o444, len(self._content(ino)))
         raise FUSEError(errno.ENOENT)
 
-    async def lookup(self, parent, name, ctx):
+    async def lookup(self, parent: InodeNo, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:
         if parent == ROOT and name == b".pffs":
             return self._getattr(PFFS_DIR)
         if parent == PFFS_DIR:
@@ -122,33 +122,33 @@ class PffsTree(Tree):
                 return self._getattr(ino)
         raise FUSEError(errno.ENOENT)
 
-    async def getattr(self, inode, ctx):
+    async def getattr(self, inode: InodeNo, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self._getattr(inode)
 
-    async def readlink(self, inode, ctx):
+    async def readlink(self, inode: InodeNo, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == SOCK:
             return self.socket_path
         raise FUSEError(errno.EINVAL)
 
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: InodeNo, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if inode == PFFS_DIR:
             raise FUSEError(errno.EISDIR)
         if (flags & os.O_ACCMODE) != os.O_RDONLY:
             raise FUSEError(errno.EACCES)
-        fh = self._next_fh
+        fh = FileHandle(self._next_fh)
         self._next_fh += 1
         self.handles[fh] = self._content(inode)
         if NOFLUSH:
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, noflush=True)
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh: FileHandle, off: int, size: int) -> bytes:
         return self.handles[fh][off:off + size]
 
-    async def release(self, fh):
+    async def release(self, fh: FileHandle) -> None:
         self.handles.pop(fh, None)
 
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: FileHandle, start_id: int, token: pyfuse3.ReaddirToken) -> bool:
         if fh != PFFS_DIR:
             raise FUSEError(errno.ENOTDIR)
         entries = sorted(_FILES.items(), key=lambda kv: kv[1])
@@ -158,84 +158,3 @@ class PffsTree(Tree):
             if not pyfuse3.readdir_reply(token, name, self._getattr(ino), ino):
                 break
         return True
-
-
-class EnginesTree(Tree):
-    """``engines/``: requests handed to the live view (pffs.live.view.LiveView),
-    and the live forks of ``pffs fork`` (pffs.fs.manifests)."""
-
-    def __init__(self, view, manifests):
-        self.view = view
-        self.manifests = manifests
-
-    async def lookup(self, parent, name, ctx):
-        v = await self.view.lookup(parent, name, ctx)
-        if v is None:
-            raise FUSEError(errno.ENOENT)
-        return v
-
-    async def getattr(self, inode, ctx):
-        return await self.view.getattr(inode, ctx)
-
-    async def setattr(self, inode, attr, fields, fh, ctx):
-        return await self.view.setattr(inode, attr, fields, fh, ctx)
-
-    async def mkdir(self, parent, name, mode, ctx):
-        return await self.view.mkdir(parent, name, mode, ctx)
-
-    async def create(self, parent, name, mode, flags, ctx):
-        return await self.view.create(parent, name, mode, flags, ctx)
-
-    async def unlink(self, parent, name, ctx):
-        await self.view.unlink(parent, name, ctx)
-
-    async def rmdir(self, parent, name, ctx):
-        await self.view.rmdir(parent, name, ctx)
-
-    async def rename(self, p_old, n_old, p_new, n_new, flags, ctx):
-        await self.view.rename(p_old, n_old, p_new, n_new, flags, ctx)
-
-    async def open(self, inode, flags, ctx):
-        return await self.view.open(inode, flags, ctx)
-
-    async def read(self, fh, off, size):
-        return await self.view.read(self.view.handles[fh], off, size)
-
-    async def write(self, fh, off, buf):
-        return await self.view.write(self.view.handles[fh], off, buf)
-
-    async def take_blob(self, fh, digest, size, row):
-        h = self.view.handles.get(fh)
-        return h is not None and await self.view.take_blob(h, digest, size)
-
-    async def whole_blob(self, fh):
-        h = self.view.handles.get(fh)
-        return None if h is None else await self.view.page_blob(h)
-
-    async def flush(self, fh):
-        h = self.view.handles.get(fh)
-        if h is not None:
-            await self.view.flush(h)
-
-    async def release(self, fh):
-        h = self.view.handles.pop(fh, None)
-        if h is not None:
-            self.view.release(h)
-
-    async def opendir(self, inode, ctx):
-        return await self.view.opendir(inode, ctx)
-
-    async def readdir(self, fh, start_id, token):
-        await self.view.readdir(fh, start_id, token)
-        return True
-
-    def readdir_root(self, start_id, token):
-        self.view.readdir_root(start_id, token)
-
-    async def releasedir(self, fh):
-        self.view.releasedir(fh)
-
-    async def setxattr(self, inode, name, value, ctx):
-        if name in (SAVE_XATTR, LOAD_XATTR):
-            return await self.manifests.live_fork(inode, name, value, ctx)
-        raise FUSEError(errno.EPERM)

@@ -8,7 +8,7 @@ from typing import Any
 import trio
 
 from pffs.live.protocol import (
-    _CMSG_SPACE,
+    CMSG_SPACE,
     HEADER,
     MAX_MESSAGE,
     ProtocolError,
@@ -43,7 +43,7 @@ class TrioChannel:
     async def _read(self, n: int, fds: list[int]) -> bytes | None:
         buf = bytearray()
         while len(buf) < n:
-            chunk, anc, flags, _ = await self.sock.recvmsg(n - len(buf), _CMSG_SPACE,
+            chunk, anc, flags, _ = await self.sock.recvmsg(n - len(buf), CMSG_SPACE,
                                                            getattr(socket, "MSG_CMSG_CLOEXEC", 0))
             fds.extend(fds_from_ancillary(anc))
             if flags & socket.MSG_CTRUNC:

@@ -1,29 +1,39 @@
-"""What both halves of the FUSE view of ``engines/`` share: open handles, the reader's process, errnos.
+"""What the parts of the FUSE side of ``engines/`` share: open handles, the
+reader's process, errnos, and what they ask of the mount's store.
 
-(:mod:`.view` answers attributes, lookups, listings and reads; :mod:`.writes`
-takes sessions being copied in, and save/load.)
+(:mod:`.view` is the tree that answers the requests; :mod:`.attrs` says what
+an inode is; :mod:`.copyin` takes sessions being copied in; :mod:`.copyout`
+stores live pages ahead of copies out.)
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
 
+import pyfuse3
 from pyfuse3 import FUSEError
 
+from pffs.live.engines import SessionEntry
 from pffs.live.errors import EngineError
 from pffs.live.incoming import IncomingSession, Node
-from pffs.live.listings import SessionEntry, Snapshot
+from pffs.live.pages import Snapshot
+from pffs.namespace import BlobRow
 from pffs.types import InodeNo, PageIndex
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-def _errors(fn):
+
+def engine_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Engine failures become the errno a reader or writer gets."""
     @functools.wraps(fn)
-    async def wrapper(self, *args):
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return await fn(self, *args)
+            return await fn(*args, **kwargs)
         except EngineError as e:
             raise FUSEError(e.errno) from None
     return wrapper
@@ -46,11 +56,26 @@ class DirHandle:
     snap: Snapshot | None = None
 
 
+@dataclass(frozen=True)
+class LiveStore:
+    """What ``engines/`` asks of the mount's store (pffs.fs.operations.build makes it)."""
+
+    #: the bytes of a blob: a page named by its blob in a session being copied
+    #: in, when something reads or changes them before the engine takes it
+    fetch_blob: Callable[[str], Awaitable[bytes | memoryview]]
+    #: a blob made of some bytes, ``(data, digest=None)``, and its row: a live
+    #: page copied out of engines/, stored ahead of the copy
+    store_blob: Callable[..., Awaitable[BlobRow]]
+    #: blobs an engine put in the store itself, given rows (a local store
+    #: only; else None)
+    adopt_blobs: Callable[[list[str]], Awaitable[Any]] | None = None
+
+
 _TGID_TTL = 1.0
 _tgids: dict[int, tuple[int, float]] = {}
 
 
-def _pid(ctx) -> int:
+def reader_pid(ctx: pyfuse3.RequestContext | None) -> int:
     """The process (not thread) a request comes from: readers are told apart by it.
 
     FUSE gives the calling thread's id; threads of one reader (a page-in
@@ -77,4 +102,3 @@ def _pid(ctx) -> int:
         _tgids.clear()
     _tgids[tid] = (tgid, now)
     return tgid
-

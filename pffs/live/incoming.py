@@ -8,7 +8,7 @@ a valid manifest and every page it lists has arrived.  Then the daemon pages
 it into the engine (pffs.live.engines) and this tree goes away.
 
 Inode numbers: the folder is the session's base inode; every other node gets
-the next number of the session's range (see pffs.live.view).
+the next number of the session's range (see pffs.live.numbering).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ class IncomingSession:
         """What the engine's session has for each copied-in file and folder the
         kernel may still name by its inode: ``pages/`` ("pages"), manifest.json
         ("manifest") and each page file ("page", its index); see
-        pffs.live.view.LiveView._resolve."""
+        pffs.live.attrs.LiveAttrs.resolve."""
         out: dict[int, tuple[str, int | None]] = {}
         man = self.root.children.get(MANIFEST)
         if man is not None and not man.is_dir:

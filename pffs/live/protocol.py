@@ -53,7 +53,7 @@ HEADER = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20      # a manifest with token ids stays far below this
 MAX_FDS = 4
 PROTOCOL_VERSION = 1
-_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 # sun_path holds 108 bytes; longer socket paths are reached through /proc/self/fd.
 _SUN_PATH_MAX = 100
 
@@ -197,7 +197,7 @@ class Channel:
     def _read(self, n: int, fds: list[int]) -> bytes | None:
         buf = bytearray()
         while len(buf) < n:
-            chunk, anc, flags, _ = self.sock.recvmsg(n - len(buf), _CMSG_SPACE,
+            chunk, anc, flags, _ = self.sock.recvmsg(n - len(buf), CMSG_SPACE,
                                                      getattr(socket, "MSG_CMSG_CLOEXEC", 0))
             fds.extend(fds_from_ancillary(anc))
             if flags & socket.MSG_CTRUNC:

@@ -44,17 +44,18 @@ REAP_INTERVAL = 1.0
 class LiveEngines:
     """The socket engines attach through: who may attach, registering them into the registry."""
 
-    def __init__(self, socket_path: str | os.PathLike, registry: Registry):
-        self.socket_path = Path(socket_path)
+    def __init__(self, socket_path: Path, sock: socket.socket, sock_ino: tuple[int, int], registry: Registry):
+        self.socket_path = socket_path
         self.registry = registry
-        self._sock: socket.socket | None = None
-        self._sock_ino: tuple[int, int] | None = None
+        self._sock = sock                   # listening (listen() made it)
+        self._sock_ino = sock_ino           # (device, inode) of the socket file: see close()
 
     # -- socket ---------------------------------------------------------------
 
-    def listen(self) -> None:
-        """Create the socket (0600): bound under a temporary name, then renamed into place."""
-        path = self.socket_path
+    @classmethod
+    def listen(cls, socket_path: str | os.PathLike, registry: Registry) -> LiveEngines:
+        """The socket, created (0600): bound under a temporary name, then renamed into place."""
+        path = Path(socket_path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         for p in (tmp, path):
             try:
@@ -77,14 +78,11 @@ class LiveEngines:
                 pass
             raise
         st = os.lstat(path)
-        self._sock_ino = (st.st_dev, st.st_ino)
-        self._sock = sock
+        return cls(path, sock, (st.st_dev, st.st_ino), registry)
 
     def close(self) -> None:
         """Remove the socket (only if it is still the one this daemon made)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._sock.close()
         try:
             st = os.lstat(self.socket_path)
             if (st.st_dev, st.st_ino) == self._sock_ino:
@@ -94,18 +92,14 @@ class LiveEngines:
 
     async def serve(self) -> None:
         """Accept engines until cancelled (the daemon's nursery runs this)."""
-        assert self._sock is not None, "listen() first"
         lsock = trio.socket.from_stdlib_socket(self._sock)
-        self._sock = None
         try:
             async with trio.open_nursery() as nursery:
-                self.registry.nursery = nursery
                 nursery.start_soon(self._reaper)
                 while True:
                     conn, _ = await lsock.accept()
-                    nursery.start_soon(self._attach, conn)
+                    nursery.start_soon(self._attach, conn, nursery)
         finally:
-            self.registry.nursery = None
             lsock.close()
             for eng in list(self.registry.engines.values()):
                 eng.detach("the daemon is unmounting", True)
@@ -119,11 +113,11 @@ class LiveEngines:
 
     # -- attaching ---------------------------------------------------------------
 
-    async def _attach(self, sock: trio.socket.SocketType) -> None:
+    async def _attach(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         chan = TrioChannel(sock)
         engine = None
         try:
-            engine = await self._register(chan)
+            engine = await self._register(chan, nursery)
         finally:
             if engine is None:
                 chan.close()
@@ -137,7 +131,9 @@ class LiveEngines:
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
-    async def _register(self, chan: TrioChannel) -> LiveEngine | None:
+    async def _register(self, chan: TrioChannel, nursery: trio.Nursery) -> LiveEngine | None:
+        """The engine on *chan* registered (its work in the background going to
+        *nursery*), or None where it was refused."""
         pid, uid, gid = peer_credentials(chan.sock)
         if uid not in (self.registry.uid, 0):
             await self._refuse(chan, errno.EACCES, f"only uid {self.registry.uid} (or root) may attach",
@@ -167,10 +163,8 @@ class LiveEngines:
             await self._refuse(chan, errno.EEXIST, f"the name {reg.name!r} is taken by pid {other.reg.pid}",
                                pid, uid)
             return None
-        engine = LiveEngine(self.registry, reg, chan, shm, 0)
-        engine.key = self.registry.new_key(engine)
-        self.registry.engines[reg.name] = engine
-        self.registry.changed(reg.name, True)
+        engine = LiveEngine(self.registry, reg, chan, shm, nursery)
+        self.registry.add_engine(reg.name, engine)
         try:
             await chan.send({"op": "registered", "ok": True, "version": PROTOCOL_VERSION,
                              "live_path": f"engines/{reg.name}"})
