@@ -24,7 +24,7 @@ from pyfuse3 import FUSEError
 
 from pffs import manifest as mf
 from pffs.fs.files import NOFLUSH
-from pffs.fs.manifests import LOAD_XATTR, SAVE_XATTR, Manifests
+from pffs.fs.manifests import Manifests
 from pffs.fs.routing import Tree
 from pffs.live.attrs import LiveAttrs
 from pffs.live.copyin import CopyIn, check_gathering
@@ -45,6 +45,8 @@ from pffs.live.numbering import (
     owns,
 )
 from pffs.live.protocol import valid_name
+from pffs.names import LOAD_XATTR_B as LOAD_XATTR
+from pffs.names import SAVE_XATTR_B as SAVE_XATTR
 from pffs.namespace import ROOT_INODE, BlobRow
 from pffs.types import FileHandle, InodeNo, PageIndex
 
