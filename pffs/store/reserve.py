@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pffs.errors import StoreFull
 
-log = logging.getLogger("pffs.daemon.reserve")
+log = logging.getLogger("pffs.store.reserve")
 
 DEFAULT_SIZE = 16 << 20
 
