@@ -185,7 +185,7 @@ class Files:
         else:
             # A block at a time into the staging's spill file, never the whole
             # file in memory; blocks of zeros stay holes, read nor written.
-            stg = Staging(self.budget, str(self.content.staging_dir), b"")
+            stg = Staging(self.budget, str(self.content.staging_dir), b"", fetch=self.content.get)
             zero = {}
             if blocks:
                 await trio.to_thread.run_sync(stg.truncate, node.size)
@@ -195,7 +195,6 @@ class Files:
             # (Read in when first changed, see Staging.unloaded.)
             stg.unloaded = {bn for bn, d in enumerate(blocks)
                             if d != zero[min(BLOCK_SIZE, node.size - bn * BLOCK_SIZE)]}
-            stg.fetch = self.content.get
         stg.dirty = False
         st.staging = stg
         return stg
