@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pyfuse3
 import trio
-from pyfuse3 import FUSEError
+from pyfuse3 import FileInfo, FUSEError, RequestContext
 
 from pffs import manifest as mf
 from pffs import namespace as ns
@@ -84,7 +84,7 @@ class Files:
         # Bytes copy_file_range gave by sharing blobs, and bytes it copied (stats.json).
         self.copies = {"shared_bytes": 0, "copied_bytes": 0}
 
-    def created(self, ino: int, name: bytes, flags: int, ctx) -> int:
+    def created(self, ino: int, name: bytes, flags: int, ctx: RequestContext) -> int:
         """A handle of a file just created empty (its first write needs nothing
         from the namespace)."""
         fh = self.open_handle(ino, flags, ctx)
@@ -95,7 +95,7 @@ class Files:
             st.blocks, st.size = [], 0  # what is committed: nothing
         return fh
 
-    def open_handle(self, ino: int, flags: int, ctx) -> int:
+    def open_handle(self, ino: int, flags: int, ctx: RequestContext) -> int:
         fh = self._next_fh
         self._next_fh += 1
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -107,7 +107,7 @@ class Files:
             st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
         return fh
 
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         # (The kernel sends opendir, never open, for a directory.)
         fh = self.open_handle(inode, flags, ctx)
         if self.nursery is not None and (flags & os.O_ACCMODE) != os.O_WRONLY:
@@ -125,10 +125,10 @@ class Files:
                 stg.mtime_ns = ns.now_ns()
         if NOFLUSH and (flags & os.O_ACCMODE) == os.O_RDONLY:
             # A reader's close commits nothing (see flush): no FLUSH request.
-            return pyfuse3.FileInfo(fh=fh, keep_cache=True, noflush=True)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+            return FileInfo(fh=fh, keep_cache=True, noflush=True)
+        return FileInfo(fh=fh, keep_cache=True)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         of = self.handles[fh]
         if of.read_ahead:
             of.read_ahead = False
@@ -199,7 +199,7 @@ class Files:
         st.staging = stg
         return stg
 
-    async def write(self, fh, off, buf):
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
         of = self.handles[fh]
         if not of.writable:
             raise FUSEError(errno.EBADF)
@@ -375,7 +375,7 @@ class Files:
                      size, ns.MAX_FILE_SIZE)
             raise FUSEError(errno.EFBIG)
 
-    async def truncate(self, ino: int, size: int, ctx) -> None:
+    async def truncate(self, ino: int, size: int, ctx: RequestContext) -> None:
         st = self.inodes.state(ino)
         st.opens += 1  # hold the state while we work
         try:
@@ -456,7 +456,7 @@ class Files:
             del self.inodes.states[ino]
             await self.inodes.maybe_delete(ino)
 
-    async def flush(self, fh):
+    async def flush(self, fh: int) -> None:
         await self._flush(self.handles[fh])
 
     async def _flush(self, of: OpenFile, any_handle: bool = False) -> None:
@@ -468,7 +468,7 @@ class Files:
             async with st.lock:
                 await self.commit(of.ino, st)
 
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: int, datasync: bool) -> None:
         of = self.handles[fh]
         st = self.inodes.states.get(of.ino)
         if st is not None and st.staging is not None and st.staging.dirty and self.journal_fsync:
@@ -565,7 +565,7 @@ class Files:
                 st.opens -= 1
                 await self._drop_state_if_idle(ino)
 
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         of = self.handles.pop(fh)
         st = self.inodes.states.get(of.ino)
         if st is None:
