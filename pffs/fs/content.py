@@ -159,15 +159,6 @@ class ContentStore:
         if len(self.pending):
             await trio.to_thread.run_sync(self.pending.sync, limiter=self.sync_limiter)
 
-    def set_width(self, n: int) -> None:
-        """How many commits may run at once (before the mount serves requests)."""
-        self.workers.stop()
-        self.width = n
-        self.workers = WorkerPool(n, "pffs-commit")
-        self.limiter = trio.CapacityLimiter(n)
-        self.encoders.shutdown()
-        self.encoders = ThreadPoolExecutor(n, thread_name_prefix="pffs-encode")
-
     async def store(self, stg: Staging, *, parse_manifest: bool, then=None):
         """Store the staged bytes; then, in the same worker thread, ``then(stored)``.
 
