@@ -253,3 +253,229 @@ def test_pffs_live_is_made_of_members_and_shares_only_public_names():
                     if origin is not None and origin not in allowed_bases:
                         wrong.append(f"{name}: {node.name} is built on {origin[0]}.{origin[1]}")
     assert wrong == []
+# -- the daemon writes no SQL; parts are built whole ---------------------------------
+
+#: The daemon's modules: every query they run is a function of pffs/namespace/.
+NO_SQL = ("pffs/fs", "pffs/live", "pffs/daemon")
+SQL_WORDS = ("SELECT", "INSERT", "UPDATE", "DELETE", "CREATE", "PRAGMA")
+
+
+def _sql_in(path: Path) -> list[tuple[int, str]]:
+    """Where module *path* runs SQL: ``.execute``/``.executemany``/``.executescript``
+    calls, and string literals (f-strings too) that begin with a statement."""
+    import re
+    found = []
+    statement = re.compile(r"\s*(?:%s)\b" % "|".join(SQL_WORDS))
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("execute", "executemany", "executescript"):
+            found.append((node.lineno, f".{node.func.attr}()"))
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            text = str(node.values[0].value)
+        if text is not None and statement.match(text):
+            found.append((node.lineno, repr(text.strip()[:40])))
+    return sorted(set(found))
+
+
+def test_the_daemons_modules_run_no_sql_of_their_own():
+    """pffs/fs/, pffs/live/ and pffs/daemon/ run every query through a function
+    of pffs/namespace/ (pffs/maint/ and pffs/bucket/ may keep their own)."""
+    found = [f"{p.relative_to(ROOT)}:{line}: {what}" for d in NO_SQL
+             for p in sorted((ROOT / d).rglob("*.py")) for line, what in _sql_in(p)]
+    assert found == []
+
+
+def test_the_sql_check_sees_calls_and_statements(tmp_path):
+    """(The check itself: a query call or a statement is found, a word that only
+    looks like one is not.)"""
+    src = tmp_path / "m.py"
+    src.write_text('def f(c, t):\n    c.execute("x")\n    q = f"DELETE FROM {t}"\n'
+                   '    return "Delete the rest", " SELECT 1", q\n')
+    assert [what for _line, what in _sql_in(src)] == [".execute()", "'DELETE FROM'", "'SELECT 1'"]
+
+
+#: Where a part must arrive through constructors only: nothing assigns a
+#: collaborator into another object after it was built.
+BUILT_WHOLE = ("pffs/fs", "pffs/live", "pffs/daemon", "pffs/bucket/lease.py")
+
+#: Assignments into another object that stay, each with its reason: (module,
+#: target) -> why the value is a record its owner fills, not a collaborator.
+RECORDS = {
+    ("pffs/fs/files.py", "st.staging"):
+        "InodeState is the record Files keeps of an open inode; the staged bytes in it"
+        " are Files' own, made and closed by it",
+    ("pffs/live/view.py", "entry.incoming"):
+        "a SessionEntry's session being copied in: a record the live view keeps and fills",
+}
+
+#: What a record may hold without it being a collaborator: a trio event or
+#: lock its waiters share.
+SYNC_OBJECTS = {"trio.Event", "trio.Lock"}
+
+
+def _is_class(name: str) -> bool:
+    return name[:1].isupper() and not name.isupper()
+
+
+def _constructs(value: ast.expr) -> bool:
+    """A call that builds an object: ``Class(...)``, ``mod.Class(...)``, ``Class.make(...)``."""
+    if not isinstance(value, ast.Call) or ast.unparse(value.func) in SYNC_OBJECTS:
+        return False
+    f = value.func
+    if isinstance(f, ast.Name):
+        return _is_class(f.id)
+    if isinstance(f, ast.Attribute):
+        return _is_class(f.attr) or (isinstance(f.value, ast.Name) and _is_class(f.value.id))
+    return False
+
+
+def _methods(trees: list[ast.AST]) -> set[str]:
+    """The names of the methods of every class in *trees* (properties are data)."""
+    out = set()
+    for tree in trees:
+        for cls in ast.walk(tree):
+            if isinstance(cls, ast.ClassDef):
+                out.update(f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                           and not any("property" in ast.unparse(d) for d in f.decorator_list))
+    return out
+
+
+def _class_parts(cls: ast.ClassDef | None) -> set[str]:
+    """The attributes of *cls* that hold parts: declared with a class as their
+    type, or set to a constructed object."""
+    out: set[str] = set()
+    if cls is None:
+        return out
+    for node in ast.walk(cls):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and any(_is_class(n.id) for n in ast.walk(node.annotation) if isinstance(n, ast.Name)):
+            out.add(node.target.id)
+        elif isinstance(node, ast.Assign) and _constructs(node.value):
+            out.update(t.attr for t in node.targets if isinstance(t, ast.Attribute)
+                       and isinstance(t.value, ast.Name) and t.value.id == "self")
+    return out
+
+
+def _parts_bound(fn: ast.AST) -> set[str]:
+    """Names bound in function *fn* to a part: a local function, a lambda, a
+    constructed object, or what a ``with`` gives (a nursery)."""
+    out = set()
+    for node in ast.walk(fn):
+        if node is not fn and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign) and (isinstance(node.value, ast.Lambda) or _constructs(node.value)):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
+            out.add(node.optional_vars.id)
+    return out
+
+
+def _a_part(value: ast.expr, parts: set[str], own_parts: set[str], methods: set[str]) -> bool:
+    """Whether *value* is a collaborator rather than data: a lambda, a
+    constructed object, a part bound in the function (*parts*), a part of
+    ``self``'s (*own_parts*), or a bound method (one of *methods*)."""
+    if isinstance(value, ast.Lambda) or _constructs(value):
+        return True
+    if isinstance(value, ast.Name):
+        return value.id in parts
+    if isinstance(value, ast.Attribute):
+        if value.attr in methods:
+            return True
+        return isinstance(value.value, ast.Name) and value.value.id in ("self", "cls") \
+            and value.attr in own_parts
+    return False
+
+
+def _assigned_parts(path: Path, root: Path = ROOT, methods: set[str] | None = None) -> list[tuple[str, str, int]]:
+    """(module, target, line) of each collaborator assigned into an object other
+    than ``self``/``cls`` (``x.y = part``) in module *path* (of the tree at
+    *root*; *methods*: the project's method names, default those of *path*)."""
+    tree = ast.parse(path.read_text(), str(path))
+    methods = _methods([tree]) if methods is None else methods
+    rel = str(path.relative_to(root))
+    classes: dict[ast.AST, ast.ClassDef] = {}
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef):
+            classes.update((fn, cls) for fn in ast.walk(cls))
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        parts, own = _parts_bound(fn), _class_parts(classes.get(fn))
+        for node in ast.walk(fn):
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                pairs = [(target, node.value)]
+                if isinstance(target, ast.Tuple):
+                    values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value] * len(target.elts)
+                    pairs = list(zip(target.elts, values))
+                for t, v in pairs:
+                    if not isinstance(t, ast.Attribute):
+                        continue
+                    if isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"):
+                        continue
+                    if _a_part(v, parts, own, methods):
+                        found.append((rel, ast.unparse(t), node.lineno))
+    return sorted(set(found))
+
+
+def _built_whole_offenders(root: Path) -> list[str]:
+    """What the check finds in the tree at *root*, but RECORDS and the pending sites."""
+    methods = _methods([ast.parse(p.read_text()) for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))])
+    paths = []
+    for where in BUILT_WHOLE:
+        p = root / where
+        paths += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    return [f"{m}:{line}: {t} = ..." for p in paths for m, t, line in _assigned_parts(p, root, methods)
+            if (m, t) not in RECORDS]
+
+
+def test_parts_are_built_whole():
+    """No collaborator is handed to a part by assignment after it was built
+    (``x.y = part`` where x is not ``self``): each arrives through its
+    constructor.  Plain data (EntryAttributes' ``st_*``, counters, flags, a
+    record filled by its owner) is not a collaborator; RECORDS lists the
+    assignments of records that stay, each with its reason."""
+    assert _built_whole_offenders(ROOT) == []
+
+
+def test_the_built_whole_check_sees_parts_and_not_data(tmp_path):
+    """(The check itself: parts handed over after construction are found, data is not.)"""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "class Reserve:\n"
+        "    def release(self): pass\n"
+        "class RemoteMount:\n"
+        "    def known(self, d): pass\n"
+        "    @property\n"
+        "    def size(self): pass\n"
+        "class Daemon:\n"
+        "    reserve: Reserve\n"
+        "    def __init__(self):\n"
+        "        self.t0 = 0\n"
+        "    async def main(self, node, ctx, stored):\n"
+        "        a = EntryAttributes()\n"
+        "        a.st_ino, a.st_size, a.st_mtime_ns = node.id, stored.size, self.t0\n"
+        "        st.writer_uid = ctx.uid\n"
+        "        entry.waiting = trio.Event()\n"
+        "        inv = Invalidator(x)\n"
+        "        def spawn(): pass\n"
+        "        async with trio.open_nursery() as nursery:\n"
+        "            self.ops.files.nursery = nursery\n"
+        "        live.fetch = lambda d: d\n"
+        "        live.invalidate = inv\n"
+        "        live.spawn = spawn\n"
+        "        st.blobs.reserve = self.reserve\n"
+        "        self.db.on_full = self.reserve.release\n"
+        "        rm = RemoteMount(1)\n"
+        "        blobs.likely_stored = rm.known\n"
+        "        st.staging = Staging(1)\n"
+        "        self.remote = attach(1)\n")
+    got = [t for _m, t, _line in _assigned_parts(src, tmp_path)]
+    assert sorted(got) == sorted(["self.ops.files.nursery", "live.fetch", "live.invalidate", "live.spawn",
+                                  "st.blobs.reserve", "self.db.on_full", "blobs.likely_stored", "st.staging"])

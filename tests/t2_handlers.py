@@ -18,16 +18,6 @@ from pffs.fs.operations import build
 from pffs.store.storedir import StoreDir
 
 
-def _build(db, content, **kw):
-    """build() for tests that run their handlers in trio.run calls of their
-    own: its nursery is closed once built (nothing here starts background
-    work through it)."""
-    async def built():
-        async with trio.open_nursery() as nursery:
-            return build(db, content, nursery=nursery, **kw)
-    return trio.run(built)
-
-
 @pytest.fixture
 def ops(tmp_path):
     store = StoreDir(tmp_path / "store")
@@ -35,7 +25,7 @@ def ops(tmp_path):
     ns.open_db(store.root).close()
     db = Database(store.db_path)
     content = ContentStore(store.blobs, store.staging_dir)
-    h = _build(db, content)
+    h = build(db, content, nursery=None)
     yield h
     content.workers.stop()
     h.stop()
@@ -96,8 +86,7 @@ def test_a_write_flushed_while_its_file_is_renamed_onto_manifest_json_is_checked
     import pyfuse3
     import trio.testing
     from manifests import good
-
-    from pffs.fs import operations
+    from pffs.namespace import changes
 
     valid = json.dumps(good()).encode()
     renaming, go_on = threading.Event(), threading.Event()
@@ -108,7 +97,7 @@ def test_a_write_flushed_while_its_file_is_renamed_onto_manifest_json_is_checked
         renaming.set()
         go_on.wait(30)
         return real_rename(*args)
-    monkeypatch.setattr(operations.ns, "rename", held_rename)
+    monkeypatch.setattr(changes, "rename", held_rename)
     out = {}
 
     async def main():
@@ -142,14 +131,12 @@ def test_changes_commit_while_the_namespace_is_snapshotted(tmp_path, monkeypatch
     """The periodic snapshot copies the database beside the writers: a change
     commits while the copy is still being made durable."""
     import threading
-
-    from pffs.daemon.mount import Daemon, MountOptions
     from pffs.maint import snapshots
+    from pffs.daemon.mount import MountOptions, snapshot_namespace
     store = StoreDir(tmp_path / "store")
     store.create()
     ns.open_db(store.root).close()
-    d = Daemon(store, tmp_path / "mnt", MountOptions())
-    d.db = Database(store.db_path)
+    db = Database(store.db_path)
     copying, done = threading.Event(), threading.Event()
     real_fsync = snapshots.os.fsync
 
@@ -158,21 +145,21 @@ def test_changes_commit_while_the_namespace_is_snapshotted(tmp_path, monkeypatch
         done.wait(30)       # a slow disk, until the change below has committed
         real_fsync(fd)
     monkeypatch.setattr(snapshots.os, "fsync", slow_fsync)
-    t = threading.Thread(target=d.snapshot)
+    t = threading.Thread(target=snapshot_namespace, args=(store, MountOptions().snapshots_kept))
     t.start()
     try:
         assert copying.wait(30)
         committed = threading.Event()
 
         def change():
-            d.db.run_in_transaction(lambda c: ns.make_inode(c, ns.ROOT_INODE, b"n", stat.S_IFDIR | 0o755, 0, 0))
+            db.run_in_transaction(lambda c: ns.make_inode(c, ns.ROOT_INODE, b"n", stat.S_IFDIR | 0o755, 0, 0))
             committed.set()
         threading.Thread(target=change, daemon=True).start()
         assert committed.wait(10), "a commit waited for the snapshot"
     finally:
         done.set()
         t.join(30)
-        d.db.close()
+        db.close()
     snaps = snapshots.list_snapshots(store.snapshot_dir)
     assert len(snaps) == 1
     import sqlite3
@@ -192,7 +179,7 @@ def test_a_write_that_spills_its_staging_to_disk_runs_off_the_event_loop(tmp_pat
     ns.open_db(store.root).close()
     db = Database(store.db_path)
     content = ContentStore(store.blobs, store.staging_dir)
-    h = _build(db, content, staging_memory=1 << 20)
+    h = build(db, content, nursery=None, staging_memory=1 << 20)
     o = h.ops
     where = []
     real_spill = staging.Staging._spill
@@ -421,8 +408,8 @@ def test_a_folder_listed_during_the_fork_that_fills_it_shows_none_then_every_pag
 
     import pyfuse3
     from manifests import good
-
     from pffs.names import FORK_XATTR_B as FORK_XATTR
+    from pffs.namespace import changes
     from pffs.types import digest_of
 
     pages = [os.urandom(2048) for _ in range(3)]       # the geometry of good(): 2 KiB pages
@@ -462,7 +449,7 @@ def test_a_folder_listed_during_the_fork_that_fills_it_shows_none_then_every_pag
         b = (await ops.ops.mkdir(root, b"b", 0o755, Ctx())).st_ino
         b_pages = (await ops.ops.mkdir(b, b"pages", 0o755, Ctx())).st_ino
         fh = await ops.ops.opendir(b_pages, Ctx())
-        monkeypatch.setattr(ns, "fork_pages", held_fork)
+        monkeypatch.setattr(changes, "fork_pages", held_fork)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ops.ops.setxattr, b, FORK_XATTR, b"/a/manifest.json", Ctx())
             await trio.to_thread.run_sync(forking.wait)
@@ -527,8 +514,10 @@ def test_a_change_made_on_the_event_loop_never_waits_for_a_lock(ops):
     async def main():
         assert await db.write_small(busy_timeout) == 0
         assert db.counts == {"on_loop": 1, "by_writer": 0, "timeout_switches": 1}
-        with db.writing() as conn:
-            assert busy_timeout(conn) == ns.BUSY_TIMEOUT_MS
+        def in_a_worker():      # (the write connection is the worker threads')
+            with db.writing() as conn:
+                return busy_timeout(conn)
+        assert await trio.to_thread.run_sync(in_a_worker) == ns.BUSY_TIMEOUT_MS
         for _ in range(3):      # (changes in a row on the loop switch it once)
             assert await db.write_small(busy_timeout) == 0
         assert db.counts["timeout_switches"] == 3

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zstandard
 
@@ -30,6 +31,10 @@ from pffs import namespace as ns
 from pffs.errors import PffsError, StoreUnavailable
 from pffs.store.s3 import MOUNTS, S3BlobStore
 from pffs.types import is_digest
+
+if TYPE_CHECKING:
+    from pffs.fs.db import Database
+    from pffs.store.storedir import StoreDir
 
 log = logging.getLogger("pffs.bucket.transfer")  # the name these messages always had
 
@@ -78,7 +83,7 @@ class RemoteMount:
     thread waits on the network for it.
     """
 
-    def __init__(self, root: Path, blobs: S3BlobStore, db, lease: float = DEFAULT_LEASE):
+    def __init__(self, root: Path, blobs: S3BlobStore, db: Database, lease: float = DEFAULT_LEASE):
         self.root = root
         self.blobs = blobs
         self.db = db
@@ -94,7 +99,6 @@ class RemoteMount:
         self._written: tuple[frozenset, float] | None = None  # (digests, monotonic time) of the last write
         self._reachable = True
         self._conn: sqlite3.Connection | None = None
-        self._local = threading.local()  # a read connection per content thread
 
     def _references(self) -> tuple[set[str], set[str]]:
         """(every digest to list, the pinned ones among them)."""
@@ -166,13 +170,6 @@ class RemoteMount:
             self._conn.close()
         self.blobs.close()
 
-    def known(self, digest: str) -> bool:
-        """Whether the namespace has a blob row for *digest* (from any thread)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = ns.connect(self.db.path, readonly=True)
-        return conn.execute("SELECT 1 FROM blobs WHERE digest=?", (digest,)).fetchone() is not None
-
     def adopt(self, pages: Sequence[str]) -> int:
         """Give the pages a manifest lists that the namespace lacks a blob row each, if the bucket has them.
 
@@ -234,20 +231,23 @@ def _update_blob_rows(conn: sqlite3.Connection, new: list[ns.BlobRow], gone: lis
                      " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)", (d, d, d))
 
 
-def attach(st, opts, db) -> RemoteMount:
-    """The registration of a mount of S3 store *st* (a StoreDir) with mount
-    options *opts*, over the mount's namespace *db*: started, with the
-    store's frame cache sized."""
+def attach(st: StoreDir, db: Database, *, cache_size: int, lease: str | None) -> RemoteMount:
+    """The registration of a mount of S3 store *st* over the mount's namespace
+    *db*, with the mount's options ``cache_size`` and ``lease`` (a duration;
+    None: DEFAULT_LEASE): started, with the store's frame cache sized.  (The
+    store asks the namespace whether it knows a blob before a small upload:
+    see StoreDir's *mounted*.)"""
     from pffs.maint.gc import parse_duration
     logging.getLogger("botocore").setLevel(logging.WARNING)  # credentials and endpoint notes each start
-    blobs: S3BlobStore = st.blobs
-    blobs.set_cache_limit(opts.cache_size)
-    lease = parse_duration(opts.remote["lease"]) if opts.remote.get("lease") else DEFAULT_LEASE
-    if lease < 1:
+    blobs = st.blobs
+    if not blobs.remote:
+        raise PffsError(f"{st.root}: not an S3 store")
+    blobs.set_cache_limit(cache_size)
+    seconds = parse_duration(lease) if lease else DEFAULT_LEASE
+    if seconds < 1:
         raise PffsError("lease must be at least 1s")
-    rm = RemoteMount(st.root, blobs, db, lease)
+    rm = RemoteMount(st.root, blobs, db, seconds)
     rm.start()
-    blobs.likely_stored = rm.known
     log.info("blobs in %s (cache %s, up to %d bytes); registered as %s, lease %.0f s",
-             blobs.url, st.root, blobs.cache.limit, rm.key, lease)
+             blobs.url, st.root, blobs.cache.limit, rm.key, seconds)
     return rm

@@ -104,7 +104,7 @@ def collect_cli(store: str | os.PathLike, **kw) -> BucketGcResult:
     if url is not None:
         return collect(open_url(url), **kw)
     sd = StoreDir(store)
-    if not isinstance(sd.blobs, S3BlobStore):  # the caller checked is_remote(store)
+    if not sd.blobs.remote:  # the caller checked is_remote(store)
         raise PffsError(f"{store} is a local store; bucket gc needs an s3:// store")
     return collect(sd.blobs, namespace_root=sd.root if sd.exists() else None, **kw)
 

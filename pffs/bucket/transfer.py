@@ -61,7 +61,7 @@ def store_of(path: str | os.PathLike | None, store: str | None) -> S3BlobStore:
         if url is not None:
             return open_url(url)
         sd = StoreDir(store)
-        if not isinstance(sd.blobs, S3BlobStore):  # sd.url is None: its blobs are local
+        if not sd.blobs.remote:  # sd.url is None: its blobs are local
             raise PffsError(f"{store} is a local store; push, pull and ls-remote need an s3:// store")
         return sd.blobs
     where = Path(path or ".")
@@ -72,7 +72,7 @@ def store_of(path: str | os.PathLike | None, store: str | None) -> S3BlobStore:
     if not folder:
         raise PffsError(f"{mnt} is mounted from a local store, not from S3")
     sd = StoreDir(folder)
-    if not isinstance(sd.blobs, S3BlobStore):  # sd.url is None: its blobs are local
+    if not sd.blobs.remote:  # sd.url is None: its blobs are local
         raise PffsError(f"{mnt} is mounted from a local store, not from S3")
     return sd.blobs
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import functools
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
@@ -31,7 +32,7 @@ from pffs.daemon import heap
 from pffs.errors import PffsError
 from pffs.fs.write_stage import journal_inode
 from pffs.names import FS_SUBTYPE
-from pffs.store.local import LocalBlobStore, PutBatch
+from pffs.store.local import PutBatch
 from pffs.store.storedir import StoreDir
 
 if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport before it
@@ -39,10 +40,10 @@ if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport 
 
 if TYPE_CHECKING:
     from pffs.bucket.lease import RemoteMount
-    from pffs.daemon.reserve import SpaceReserve
     from pffs.fs.db import Database
     from pffs.fs.operations import Handlers
     from pffs.live.server import LiveEngines
+    from pffs.store.reserve import SpaceReserve
 
 log = logging.getLogger("pffs.daemon.mount")
 
@@ -61,7 +62,7 @@ class MountOptions:
     snapshot_interval: float = 300.0
     snapshots_kept: int = 3
     sync: str = "batch"   # "batch": grouped blob fsyncs every SYNC_INTERVAL; "close": at every close
-    reserve: int = 16 << 20  # disk space held back so deletions commit on a full disk (pffs.daemon.reserve)
+    reserve: int = 16 << 20  # disk space held back so deletions commit on a full disk (pffs.store.reserve)
     remote: dict = field(default_factory=dict)  # S3 client and lease options (pffs.store.s3.OPTIONS)
 
 
@@ -163,26 +164,6 @@ def _abandoned_reply(record: logging.LogRecord) -> bool:
     return True
 
 
-T = TypeVar("T")
-
-
-class Made(Generic[T]):
-    """A part of the daemon that prepare() makes: read before then, it refuses
-    (the value lives in ``_<name>``, None until set)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.attr = "_" + name
-
-    def __get__(self, obj: object, owner: type | None = None) -> T:
-        value = getattr(obj, self.attr, None)
-        if value is None:
-            raise RuntimeError(f"the daemon is not prepared: no {self.attr[1:]}")
-        return value
-
-    def __set__(self, obj: object, value: T) -> None:
-        setattr(obj, self.attr, value)
-
-
 def _connection_aborted(e: BaseException) -> bool:
     """Whether pyfuse3's session loop ended on ECONNABORTED from /dev/fuse (alone,
     or in exception groups)."""
@@ -191,104 +172,128 @@ def _connection_aborted(e: BaseException) -> bool:
     return isinstance(e, ConnectionAbortedError)
 
 
+def snapshot_namespace(store: StoreDir, kept: int) -> None:
+    """Copy the namespace database into snapshots/ (*kept* of them kept).
+
+    From a connection of its own, in one read transaction (WAL): commits
+    go on meanwhile; the copy is the database as of its start.
+    """
+    from pffs.maint.snapshots import take_snapshot
+    try:
+        conn = namespace.connect(store.db_path, readonly=True)
+        try:
+            take_snapshot(conn, store.snapshot_dir, kept)
+        finally:
+            conn.close()
+    except (OSError, sqlite3.Error) as e:
+        log.warning("namespace snapshot failed: %s", e)
+    except Exception:
+        log.exception("namespace snapshot failed")
+
+
 class Daemon:
-    def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions, *,
-                 trim_heaps: Callable[[], None] | None = None):
+    """A mounted store: its parts, built whole by ``Daemon.open`` in the order
+    they need one another, and its life: serving, periodic work, unmount."""
+
+    def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions, *, reserve: SpaceReserve,
+                 db: Database, handlers: Handlers, live: LiveEngines, remote: RemoteMount | None,
+                 journals: list[str], trim_heaps: Callable[[], None] | None):
         self.store = store
         self.mountpoint = mountpoint
         self.opts = opts
-        # Made by prepare() (see Made): until then None.
-        self._ops: Handlers | None = None
-        self._db: Database | None = None
-        self._live: LiveEngines | None = None     # the engine socket (engines/ is ops')
-        self._reserve: SpaceReserve | None = None
-        self.remote: RemoteMount | None = None    # of an S3 store
-        self.journals: list[str] = []
-        self.trim_heaps = trim_heaps     # (see heap.fix_malloc)
-        self.mounted = False     # (prepare() succeeded: close() at the end)
+        self.reserve = reserve
+        self.db = db
+        self.handlers = handlers
+        self.live = live              # the engine socket (engines/ is the handlers')
+        self.remote = remote          # of an S3 store
+        self.journals = journals      # fsynced bytes of the previous run, replayed before serving
+        self.trim_heaps = trim_heaps  # (see heap.fix_malloc)
 
-    ops: Made[Handlers] = Made()
-    db: Made[Database] = Made()
-    live: Made[LiveEngines] = Made()
-    reserve: Made[SpaceReserve] = Made()
-
-    def prepare(self, nursery: trio.Nursery) -> None:
-        """Lock the store, make the parts (their work in the background going
-        to *nursery*) and mount: nothing is served until main() runs the loop."""
-        from pffs.daemon.reserve import SpaceReserve, free_bytes
+    @classmethod
+    def open(cls, store: StoreDir, mountpoint: Path, opts: MountOptions, nursery: trio.Nursery, *,
+             trim_heaps: Callable[[], None] | None = None) -> Daemon:
+        """Check *mountpoint*, lock *store* and mount it there: every part built,
+        each handed what it needs, its background work to run in *nursery*
+        (opened first, by the caller).  PffsError, OSError or RuntimeError
+        (pyfuse3.init) where the mount cannot be made.  *store* is the
+        daemon's (``StoreDir(..., reserve=..., mounted=True)``)."""
         from pffs.fs import adoption as direct
-        from pffs.fs.content import ContentStore
+        from pffs.fs.content import ContentStore, StoredBytes
         from pffs.fs.db import Database
         from pffs.fs.operations import SPIN, build, spin_us
+        from pffs.live.server import LiveEngines
+        from pffs.store.reserve import free_bytes
 
-        st = self.store
+        check_mountpoint(mountpoint)
+        st = store
         st.create()
-        st.lock(f"pffs mount {self.mountpoint}")
-        self.reserve = SpaceReserve(st.reserve_path, self.opts.reserve)
-        if self.opts.reserve > 0 and free_bytes(st.root) < self.opts.reserve // 4:
-            self.reserve.release()  # mounting a full store: room to open the database and delete
+        st.lock(f"pffs mount {mountpoint}")
+        reserve = st.reserve
+        if reserve is None:
+            raise RuntimeError("a mount's store holds a reserve (StoreDir(..., reserve=...))")
+        if opts.reserve > 0 and free_bytes(st.root) < opts.reserve // 4:
+            reserve.release()  # mounting a full store: room to open the database and delete
         conn = namespace.open_db(st.root)
         try:
             with namespace.transaction(conn):
                 n = namespace.cleanup_orphans(conn)
             if n:
                 log.info("removed %d unlinked inodes left open by the previous run", n)
-            stored = conn.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
+            stored = namespace.stored_bytes(conn)
         finally:
             conn.close()
         # Spill files of the previous run: a journal file holds fsynced bytes
         # (replayed before serving); any other was never fsynced.
-        self.journals = []
+        journals = []
         for p in sorted(st.staging_dir.iterdir()):
             if journal_inode(p.name) is not None:
-                self.journals.append(str(p))
+                journals.append(str(p))
             else:
                 p.unlink()
         for p in st.blobs.temp_files():
             p.unlink()
-        self.db = Database(st.db_path)
-        self.reserve.ensure()
-        if self.opts.reserve > 0:
-            st.blobs.reserve = self.reserve
-            self.db.on_full = self.reserve.release
-        sync_on_close = self.opts.sync == "close" or st.url is not None
+        db = Database(st.db_path, on_full=reserve.release if opts.reserve > 0 else None)
+        reserve.ensure()
+        sync_on_close = opts.sync == "close" or st.url is not None
         pending = PutBatch()
+        counted = StoredBytes(stored)
         threads = None
-        cache_size = self.opts.cache_size
-        if st.url is not None:
+        cache_size = opts.cache_size
+        remote = None
+        blobs = st.blobs
+        adopt: Callable[[Sequence[str]], Any]
+        if blobs.remote:
             from pffs.bucket.lease import MEMORY_CACHE_MAX, attach
             # The registration in the bucket, before a request is served.
-            self.remote = attach(st, self.opts, self.db)
-            adopt: Callable[[Sequence[str]], Any] | None = self.remote.adopt
+            remote = attach(st, db, cache_size=opts.cache_size, lease=opts.remote.get("lease"))
+            adopt = remote.adopt
             # A close mostly waits on the network: as many at once as there are
             # upload threads (the CPU work in them is small).
-            threads = max(2, os.cpu_count() or 2, self.remote.blobs.threads)
+            threads = max(2, os.cpu_count() or 2, blobs.threads)
             cache_size = min(cache_size, MEMORY_CACHE_MAX)
         else:
-            assert isinstance(st.blobs, LocalBlobStore)     # (a store without a URL is a folder)
             # Pages an engine's bridge put beside the mount (pffs.fs.adoption).
-            adopt = direct.LocalAdopter(self.db, st.blobs, pending=None if sync_on_close else pending,
-                                        on_stored=self._stored)
-        content = ContentStore(st.blobs, st.staging_dir, threads=threads, max_size=self.opts.max_size,
-                               sync_on_close=sync_on_close, pending=pending, stored_bytes=stored,
-                               gc_lock=st.gc_lock, recount=self.recount, adopt=adopt,
-                               accepted=self.accepted_manifest, accepted_pages=self.accepted_pages)
-        from pffs.live.server import LiveEngines
-        self.ops = build(self.db, content, nursery=nursery, cache_size=cache_size,
-                         staging_memory=self.opts.staging_memory, journal_fsync=st.url is None,
-                         live_mount=str(self.mountpoint), socket_path=str(st.socket_path),
+            adopt = direct.LocalAdopter(db, blobs, counted, pending=None if sync_on_close else pending)
+        content = ContentStore(blobs, st.staging_dir, db=db, threads=threads, max_size=opts.max_size,
+                               sync_on_close=sync_on_close, pending=pending, stored=counted,
+                               gc_lock=st.gc_lock, adopt=adopt)
+        handlers = build(db, content, nursery=nursery, cache_size=cache_size,
+                         staging_memory=opts.staging_memory, journal_fsync=st.url is None,
+                         live_mount=str(mountpoint), socket_path=str(st.socket_path),
                          store_root=str(st.root),
-                         store_json=direct.store_json(direct.store_info(st, self.opts)))
-        assert self.ops.engines is not None     # (live_mount given)
-        self.live = LiveEngines.listen(st.socket_path, self.ops.engines.registry)
+                         store_json=direct.store_json(direct.store_info(st, opts.max_size)))
+        assert handlers.engines is not None     # (live_mount given)
+        live = LiveEngines.listen(st.socket_path, handlers.engines.registry)
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {f"fsname=pffs:{st.root}", f"subtype={FS_SUBTYPE}", "default_permissions"}
-        if self.opts.allow_other:
+        if opts.allow_other:
             fuse_opts.add("allow_other")
-        pyfuse3.init(self.ops.ops, str(self.mountpoint), fuse_opts)
+        pyfuse3.init(handlers.ops, str(mountpoint), fuse_opts)
         if SPIN:
             pyfuse3.set_spin(spin_us() * 1000)
-        log.info("mounted %s on %s (pid %d)", st.root, self.mountpoint, os.getpid())
+        log.info("mounted %s on %s (pid %d)", st.root, mountpoint, os.getpid())
+        return cls(st, mountpoint, opts, reserve=reserve, db=db, handlers=handlers, live=live,
+                   remote=remote, journals=journals, trim_heaps=trim_heaps)
 
     def _widen_readahead(self) -> None:
         """Let the kernel read ahead up to 1 MiB (a whole page file in one request).
@@ -304,54 +309,44 @@ class Daemon:
         except OSError as e:
             log.debug("read-ahead left at the default: %s", e)
 
-    async def main(self, ready: Callable[[str], None]) -> str | None:
-        """Check the mount point, prepare() with the daemon's nursery, say
-        *ready*, and serve until unmounted.  Why mounting failed (said to
-        *ready* too), or None."""
-        async with trio.open_nursery() as nursery:
-            try:
-                check_mountpoint(self.mountpoint)
-                self.prepare(nursery)
-            except (PffsError, OSError, RuntimeError) as e:
-                log.error("mount %s failed: %s", self.mountpoint, e)
-                ready(f"error {e}")
-                self.store.unlock()
-                return str(e)
-            self.mounted = True
-            ready("ok")
-            self.ops.files.nursery = nursery
-            nursery.start_soon(self.ops.invalidate.run)
-            nursery.start_soon(self._signals, nursery)
-            nursery.start_soon(self._periodic)
-            if self.trim_heaps is not None:
-                nursery.start_soon(self._trim_heaps)
-            nursery.start_soon(self._syncer)
-            # stat() of the mount needs the loop to answer: do it from a thread.
-            nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
-            nursery.start_soon(self.live.serve)
-            if self.journals:
-                await self.ops.files.replay_journals(self.journals)
-            try:
-                await pyfuse3.main()
-            except BaseException as e:
-                if not _connection_aborted(e):
-                    raise
-                # The kernel ended the session (an abort through fusectl, or
-                # one at unmount): what is staged is committed all the same.
-                log.info("the kernel aborted the FUSE connection of %s: unmounting", self.mountpoint)
-            nursery.cancel_scope.cancel()
+    async def serve(self, nursery: trio.Nursery) -> None:
+        """Serve FUSE requests, with the daemon's periodic work beside them in
+        *nursery* (the one its parts were built with), until the kernel ends
+        the session (an unmount, a signal); then cancel *nursery*."""
+        nursery.start_soon(self.handlers.invalidate.run)
+        nursery.start_soon(self._signals)
+        nursery.start_soon(self._periodic)
+        if self.trim_heaps is not None:
+            nursery.start_soon(self._trim_heaps)
+        nursery.start_soon(self._syncer)
+        # stat() of the mount needs the loop to answer: do it from a thread.
+        nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
+        nursery.start_soon(self.live.serve)
+        if self.journals:
+            await self.handlers.files.replay_journals(self.journals)
+        try:
+            await pyfuse3.main()
+        except BaseException as e:
+            if not _connection_aborted(e):
+                raise
+            # The kernel ended the session (an abort through fusectl, or
+            # one at unmount): what is staged is committed all the same.
+            log.info("the kernel aborted the FUSE connection of %s: unmounting", self.mountpoint)
+        nursery.cancel_scope.cancel()
+
+    async def finish(self) -> None:
+        """Once the nursery is done: commit what is staged, make the blobs durable."""
         with trio.CancelScope(shield=True):
-            await self.ops.files.commit_all()
-            await self.ops.content.sync_pending()
-        return None
+            await self.handlers.files.commit_all()
+            await self.handlers.content.sync_pending()
 
     async def _syncer(self) -> None:
         """Blobs written by closes become durable within SYNC_INTERVAL, in groups."""
         while True:
             await trio.sleep(SYNC_INTERVAL)
-            await self.ops.content.sync_pending()
+            await self.handlers.content.sync_pending()
 
-    async def _signals(self, nursery) -> None:
+    async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for sig in sigs:
                 log.info("signal %d: unmounting", sig)
@@ -365,16 +360,17 @@ class Daemon:
             await trio.to_thread.run_sync(self.trim_heaps)
 
     async def _periodic(self) -> None:
+        content = self.handlers.content
         last_snapshot = time.monotonic()
         while True:
             await trio.sleep(CHECKPOINT_INTERVAL)
             # Blobs first: the checkpoint makes namespace rows durable.
-            await self.ops.content.sync_pending()
+            await content.sync_pending()
             try:
                 await self.db.checkpoint()
                 # gc frees blobs behind the daemon's back; a full disk may have
                 # room again for the reserve.
-                await trio.to_thread.run_sync(self.ops.content.recounted, self.recount)
+                await trio.to_thread.run_sync(content.recounted, content.count_stored)
                 await trio.to_thread.run_sync(self.reserve.ensure)
             except (OSError, sqlite3.Error) as e:
                 log.warning("periodic checkpoint: %s", e)
@@ -382,69 +378,65 @@ class Daemon:
                 last_snapshot = time.monotonic()
                 await trio.to_thread.run_sync(self.snapshot, limiter=self.db.limiter)
 
-    def _stored(self, nbytes: int) -> None:
-        """From a commit thread: blob bytes adopted into the namespace."""
-        self.ops.content.add_stored(nbytes)
-
-    def recount(self) -> int:
-        """Stored bytes of every indexed blob (from a worker thread)."""
-        with self.db.writing() as conn:
-            return conn.execute("SELECT COALESCE(SUM(stored_size), 0) FROM blobs").fetchone()[0]
-
-    def accepted_manifest(self, digest: str) -> int | None:
-        """From a commit thread: the page count of a manifest already accepted
-        with these bytes (a fork's source), or None."""
-        with self.db.writing() as conn:
-            return namespace.recorded_count(conn, digest)
-
-    def accepted_pages(self, digest: str) -> list[str] | None:
-        """From a commit thread: the pages of a manifest already accepted with these bytes."""
-        with self.db.writing() as conn:
-            return namespace.recorded_pages(conn, digest)
-
     def snapshot(self) -> None:
-        """Copy the namespace database into snapshots/ (a few kept).
-
-        From a connection of its own, in one read transaction (WAL): commits
-        go on meanwhile; the copy is the database as of its start.
-        """
-        from pffs.maint.snapshots import take_snapshot
-        try:
-            conn = namespace.connect(self.store.db_path, readonly=True)
-            try:
-                take_snapshot(conn, self.store.snapshot_dir, self.opts.snapshots_kept)
-            finally:
-                conn.close()
-        except (OSError, sqlite3.Error) as e:
-            log.warning("namespace snapshot failed: %s", e)
-        except Exception:
-            log.exception("namespace snapshot failed")
+        """Copy the namespace database into snapshots/ (see snapshot_namespace)."""
+        snapshot_namespace(self.store, self.opts.snapshots_kept)
 
     def close(self, unmount: bool) -> None:
         try:
             pyfuse3.close(unmount=unmount)
         except Exception:
             log.exception("closing the FUSE session")
-        if self._ops is not None:
-            self._ops.content.pending.sync()
-            from pffs.fs.operations import TIMING
-            for name, (n, total) in sorted((TIMING or {}).items(), key=lambda kv: -kv[1][1]):
-                log.info("timing %-12s %8d calls %9.3f s %8.1f us/call", name, n, total, total / n * 1e6)
+        self.handlers.content.pending.sync()
+        from pffs.fs.operations import TIMING
+        for name, (n, total) in sorted((TIMING or {}).items(), key=lambda kv: -kv[1][1]):
+            log.info("timing %-12s %8d calls %9.3f s %8.1f us/call", name, n, total, total / n * 1e6)
         if self.remote is not None:
             self.remote.stop()
-        if self._live is not None:
-            self._live.close()
-        if self._db is not None:
-            self.snapshot()
-            self.db.close()
+        self.live.close()
+        self.snapshot()
+        self.db.close()
         self.store.unlock()
         log.info("unmounted %s", self.mountpoint)
+
+
+async def mount_and_serve(store: StoreDir, mountpoint: Path, opts: MountOptions, *,
+                          trim_heaps: Callable[[], None] | None, ready: Callable[[str], None]) -> None:
+    """Mount *store* on *mountpoint* and serve it until it is unmounted: the
+    nursery opened first, the daemon built whole in it (``Daemon.open``),
+    ``ready("ok")`` said, requests served, staged bytes committed, unmounted.
+    A mount that cannot be made says ``ready("error ...")`` and raises PffsError."""
+    refused: BaseException | None = None
+    daemon: Daemon | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                daemon = Daemon.open(store, mountpoint, opts, nursery, trim_heaps=trim_heaps)
+            except (PffsError, OSError, RuntimeError) as e:
+                refused = e     # (nothing runs in the nursery yet: it ends at once)
+            else:
+                ready("ok")
+                await daemon.serve(nursery)
+        if daemon is not None:
+            await daemon.finish()
+    except BaseException:
+        if daemon is not None:
+            log.exception("daemon main loop failed")
+        raise
+    finally:
+        if daemon is not None:
+            daemon.close(unmount=True)
+    if refused is not None:
+        log.error("mount %s failed: %s", mountpoint, refused)
+        ready(f"error {refused}")
+        store.unlock()
+        raise PffsError(str(refused)) from None
 
 
 def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foreground: bool,
         ready_fd: int | None = None) -> int:
     trim_heaps = heap.fix_malloc()
-    st = StoreDir(store_dir, opts.codec, remote=opts.remote)
+    st = StoreDir(store_dir, opts.codec, remote=opts.remote, reserve=opts.reserve, mounted=True)
     mp = Path(mountpoint).absolute()
 
     def ready(msg: str) -> None:
@@ -463,19 +455,7 @@ def run(store_dir: str | None, mountpoint: str, opts: MountOptions, *, foregroun
     # FUSE loop's latency low while they run.
     sys.setswitchinterval(0.0005)
     faulthandler.enable(open(st.log_path, "a"))
-    d = Daemon(st, mp, opts, trim_heaps=trim_heaps)
-    unmount = True
-    try:
-        failed = trio.run(d.main, ready)
-    except BaseException:
-        if d.mounted:
-            log.exception("daemon main loop failed")
-        raise
-    finally:
-        if d.mounted:
-            d.close(unmount)
-    if failed is not None:
-        raise PffsError(failed)
+    trio.run(functools.partial(mount_and_serve, st, mp, opts, trim_heaps=trim_heaps, ready=ready))
     return 0
 
 

@@ -15,7 +15,6 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,12 +23,14 @@ import trio
 
 from pffs import codec as codec_mod
 from pffs import manifest as mf
+from pffs import namespace as ns
 from pffs.errors import StoreFull
-from pffs.fs.db import WorkerPool
+from pffs.fs.db import Database
+from pffs.fs.workers import WorkerPool
 from pffs.fs.write_stage import Staging
-from pffs.namespace import BLOCK_SIZE, EMPTY_DIGEST, BlobRow
-from pffs.store.base import BlobStore
-from pffs.store.local import LocalBlobStore, PutBatch
+from pffs.namespace import BLOCK_SIZE, EMPTY_DIGEST, AcceptedManifest, BlobRow, StoredContent
+from pffs.store.base import BlobBatch, BlobStore
+from pffs.store.local import PutBatch
 from pffs.store.storedir import GcLock
 from pffs.types import Digest, digest_of
 
@@ -40,27 +41,36 @@ SPECULATE_MIN = 64 << 10
 SPECULATE_MAX = 8 << 20
 
 
-@dataclass
-class AcceptedManifest:
-    """Bytes identical to a manifest already accepted: its page count, known without
-    parsing or reading its page list (see namespace.record_known_manifest)."""
-    n_pages: int
-    load: Callable[[], Sequence[str]]
+class StoredBytes:
+    """Bytes of the blobs the store holds, for max_size: added to by commit
+    threads (and by the adoption of blobs a client put itself), set by a
+    recount from the namespace (gc frees behind the daemon's back); always
+    under one lock."""
 
-    @property
-    def pages(self) -> Sequence[str]:
-        """The page list (read from the namespace, or parsed if it went meanwhile)."""
-        return self.load()
+    def __init__(self, n: int = 0):
+        self.value = n
+        self._added = 0        # bytes add() has counted since the start
+        self._lock = threading.Lock()
 
+    def add(self, nbytes: int) -> None:
+        """*nbytes* more blob bytes stored (from any thread)."""
+        with self._lock:
+            self.value += nbytes
+            self._added += nbytes
 
-@dataclass
-class StoredContent:
-    size: int
-    digest: str | None      # None for a file of several blocks (reckoned when asked for)
-    blocks: list[str]
-    blob_rows: list[BlobRow]
-    manifest: mf.Manifest | AcceptedManifest | None = None
-    manifest_error: mf.ManifestError | None = None
+    def recounted(self, recount: Callable[[], int]) -> int:
+        """Set the count from *recount()* (the namespace's sum; from a worker thread).
+
+        Bytes added while it counted are kept on top: their rows may not be
+        committed yet, and a count lost would let writes past max_size (one
+        counted twice only says no a little early, until the next recount).
+        """
+        with self._lock:
+            before = self._added
+        total = recount()
+        with self._lock:
+            self.value = total + (self._added - before)
+            return self.value
 
 
 class BlockBudget:
@@ -100,14 +110,16 @@ class BlockBudget:
 
 
 class ContentStore:
-    def __init__(self, blobs: BlobStore, staging_dir: str | os.PathLike, *,
+    """The blobs of the files of one namespace (*db*; None: blobs only, as some
+    tests make them, with nothing recounted nor accepted from a namespace)."""
+
+    def __init__(self, blobs: BlobStore, staging_dir: str | os.PathLike, *, db: Database | None = None,
                  threads: int | None = None, max_size: int | None = None,
-                 sync_on_close: bool = False, pending: PutBatch | None = None, stored_bytes: int = 0,
-                 gc_lock: GcLock | None = None, recount: Callable[[], int] | None = None,
-                 adopt: Callable[[Sequence[str]], Any] | None = None,
-                 accepted: Callable[[str], int | None] | None = None,
-                 accepted_pages: Callable[[str], list[str] | None] | None = None):
+                 sync_on_close: bool = False, pending: PutBatch | None = None,
+                 stored: StoredBytes | None = None, gc_lock: GcLock | None = None,
+                 adopt: Callable[[Sequence[str]], Any] | None = None):
         self.blobs = blobs
+        self.db = db
         self.staging_dir = Path(staging_dir)
         self.limiter = trio.CapacityLimiter(threads or max(2, os.cpu_count() or 2))
         self.sync_limiter = trio.CapacityLimiter(1)
@@ -117,31 +129,22 @@ class ContentStore:
         # Compressions of page-sized blocks beside their commit's hashing.
         self.encoders = ThreadPoolExecutor(self.width, thread_name_prefix="pffs-encode")
         self.max_size = max_size
-        # Stored bytes, for max_size: changed by commit threads and the daemon's
-        # recount, always under _count_lock (add_stored, recounted).
-        self.stored_bytes = stored_bytes
-        self._count_lock = threading.Lock()
+        # Stored bytes, for max_size (shared with the adoption of blobs a
+        # client put itself: pffs.fs.adoption.LocalAdopter).
+        self.stored = stored if stored is not None else StoredBytes()
         self._inodes: tuple[int | None, int] | None = None   # (db data_version, inode count) for statfs
         self._zero_digests: dict[int, str] = {}
-        self._added = 0        # bytes add_stored has counted since the start
         # With sync_on_close every commit fsyncs its own blobs before the
         # namespace commit.  Otherwise blobs join ``pending`` and the daemon's
         # syncer (or a user's fsync) makes them durable in groups.
         self.sync_on_close = sync_on_close
         self.pending = pending if pending is not None else PutBatch()
         # The store's gc lock, held shared from a blob's existence check to the
-        # commit naming it (see pffs.maint.gc), and a recount of stored bytes from the
-        # namespace (gc frees behind our back).
+        # commit naming it (see pffs.maint.gc).
         self.gc_lock = gc_lock
-        self.recount = recount
         # Files given a stored blob by name (a copy out of engines/): on the
         # event loop, or by a commit thread (name_if_stored_now; in stats.json).
         self.named = {"on_loop": 0, "by_thread": 0}
-        # accepted(digest) gives the page count of a manifest already accepted
-        # with these bytes, or None (then they are parsed); accepted_pages(digest)
-        # its pages, or None.
-        self.accepted = accepted
-        self.accepted_pages = accepted_pages
         # adopt(pages) gives the page digests a manifest lists that the
         # namespace does not know yet a blob row each when the store holds them
         # (a local store: blob files an engine's bridge put beside the mount,
@@ -155,15 +158,6 @@ class ContentStore:
         """Make every blob written so far durable (grouped fsyncs)."""
         if len(self.pending):
             await trio.to_thread.run_sync(self.pending.sync, limiter=self.sync_limiter)
-
-    def set_width(self, n: int) -> None:
-        """How many commits may run at once (before the mount serves requests)."""
-        self.workers.stop()
-        self.width = n
-        self.workers = WorkerPool(n, "pffs-commit")
-        self.limiter = trio.CapacityLimiter(n)
-        self.encoders.shutdown()
-        self.encoders = ThreadPoolExecutor(n, thread_name_prefix="pffs-encode")
 
     async def store(self, stg: Staging, *, parse_manifest: bool, then=None):
         """Store the staged bytes; then, in the same worker thread, ``then(stored)``.
@@ -184,40 +178,49 @@ class ContentStore:
                 self.adopt(m.pages)
             return stored, then(stored)
 
+    def _accepted(self, digest: str) -> int | None:
+        """From a commit thread: the page count of a manifest already accepted
+        with bytes of *digest* (a fork's source), or None (then they are parsed)."""
+        if self.db is None:
+            return None
+        with self.db.writing() as conn:
+            return ns.recorded_count(conn, digest)
+
     def _pages_of(self, stg: Staging, digest: str) -> Sequence[str]:
         """The pages of staged manifest bytes accepted before: from the namespace, or parsed."""
-        pages = self.accepted_pages(digest) if self.accepted_pages is not None else None
+        pages = None
+        if self.db is not None:
+            with self.db.writing() as conn:
+                pages = ns.recorded_pages(conn, digest)
         if pages is not None:
             return pages
         return mf.parse(stg.read(0, stg.size)).pages
 
+    @property
+    def stored_bytes(self) -> int:
+        return self.stored.value
+
     def add_stored(self, nbytes: int) -> None:
         """*nbytes* more blob bytes stored (from any thread)."""
-        with self._count_lock:
-            self.stored_bytes += nbytes
-            self._added += nbytes
+        self.stored.add(nbytes)
 
-    def recounted(self, recount) -> int:
-        """Set stored_bytes from *recount()* (the namespace's sum; from a worker thread).
+    def recounted(self, recount: Callable[[], int]) -> int:
+        """Stored bytes set from *recount()* (see StoredBytes.recounted)."""
+        return self.stored.recounted(recount)
 
-        Bytes added while it counted are kept on top: their rows may not be
-        committed yet, and a count lost would let writes past max_size (one
-        counted twice only says no a little early, until the next recount).
-        """
-        with self._count_lock:
-            before = self._added
-        total = recount()
-        with self._count_lock:
-            self.stored_bytes = total + (self._added - before)
-            return self.stored_bytes
+    def count_stored(self) -> int:
+        """From a worker thread: the stored bytes of every blob the namespace indexes."""
+        assert self.db is not None
+        with self.db.writing() as conn:
+            return ns.stored_bytes(conn)
 
     def _room_for(self, nbytes: int) -> bool:
         """Whether *nbytes* more stay within max_size (recounted before saying no)."""
         limit = self.max_size
         if limit is None or self.stored_bytes + nbytes <= limit:
             return True
-        if self.recount is not None:
-            self.recounted(self.recount)
+        if self.db is not None:
+            self.recounted(self.count_stored)
         return self.stored_bytes + nbytes <= limit
 
     def _store_sync(self, stg: Staging, parse_manifest: bool) -> StoredContent:
@@ -229,10 +232,10 @@ class ContentStore:
                 if size > mf.MAX_MANIFEST_BYTES:
                     raise mf.ManifestError("manifest", f"{size} bytes exceed the "
                                            f"{mf.MAX_MANIFEST_BYTES}-byte cap")
-                if self.accepted is not None and 0 < size <= BLOCK_SIZE:
+                if self.db is not None and 0 < size <= BLOCK_SIZE:
                     # A fork copies a manifest byte for byte: its checks passed already.
                     first = digest_of(stg.view(0))
-                    n = self.accepted(first)
+                    n = self._accepted(first)
                     if n is not None:
                         manifest = AcceptedManifest(n, functools.partial(self._pages_of, stg, first))
                 if manifest is None:
@@ -240,7 +243,7 @@ class ContentStore:
             except mf.ManifestError as e:
                 return StoredContent(size, "", [], [], manifest_error=e)
         nblocks = -(-size // BLOCK_SIZE)
-        batch = self.blobs.batch() if self.sync_on_close else self.pending
+        batch: BlobBatch = self.blobs.batch() if self.sync_on_close else self.pending
         blocks: list[str] = []
         rows: list[BlobRow] = []
         zeros: dict[int, str] = {}    # holes met in this commit: length -> stored zero blob
@@ -307,7 +310,7 @@ class ContentStore:
         name next: see name_if_stored); its row.  *digest*: the bytes' sha256
         where the caller knows it already (a live snapshot's manifest lists it)."""
         with self.gc_lock.shared() if self.gc_lock is not None else contextlib.nullcontext():
-            batch = self.blobs.batch() if self.sync_on_close else self.pending
+            batch: BlobBatch = self.blobs.batch() if self.sync_on_close else self.pending
             rows: list[BlobRow] = []
             if digest is None:
                 self._hash_and_put(data, batch, rows)
@@ -321,7 +324,7 @@ class ContentStore:
     def can_adopt_stored(self) -> bool:
         """Whether blobs an engine put in the store itself can be given rows
         (adopt_stored): a store folder on this host, with an adopter."""
-        return self.adopt is not None and isinstance(self.blobs, LocalBlobStore)
+        return self.adopt is not None and not self.blobs.remote
 
     def adopt_stored(self, digests: Sequence[str]) -> None:
         """In a commit thread: blobs a live engine put in the (local) store
@@ -363,7 +366,7 @@ class ContentStore:
             self.named["on_loop"] += 1
         return done, result
 
-    def _hash_and_put(self, data, batch, rows: list[BlobRow], *, new: bool = False) -> str:
+    def _hash_and_put(self, data, batch: BlobBatch, rows: list[BlobRow], *, new: bool = False) -> str:
         """Store one block's bytes under their digest; returns it.
 
         A page-sized block is compressed on a helper thread while this one
@@ -394,7 +397,7 @@ class ContentStore:
             fut.cancel()
             wait([fut])     # (the staged bytes are not read once the commit goes on)
 
-    def _put(self, data, d: str, batch, rows: list[BlobRow], frame=None) -> str:
+    def _put(self, data, d: str, batch: BlobBatch, rows: list[BlobRow], frame=None) -> str:
         """Store one block's bytes under *d* (its row joins *rows*); returns *d*."""
         if self.max_size is not None and not self.blobs.contains(Digest(d)) \
                 and not self._room_for(len(data)):
@@ -423,9 +426,7 @@ class ContentStore:
             total = min(total, self.max_size)
             free = max(0, min(free, self.max_size - self.stored_bytes))
         if generation is None or self._inodes is None or self._inodes[0] != generation:
-            n = conn.execute("SELECT (SELECT COUNT(*) FROM inodes)"
-                             " + (SELECT COALESCE(SUM(files), 0) FROM folds)").fetchone()[0]
-            self._inodes = (generation, n)
+            self._inodes = (generation, ns.inode_count(conn))
         n_inodes = self._inodes[1]
         out = pyfuse3.StatvfsData()
         out.f_bsize = 1 << 20

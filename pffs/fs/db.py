@@ -14,87 +14,42 @@ See docs/concurrency.md.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import queue
 import sqlite3
 import threading
 from typing import Any, Callable, Iterator
 
-import outcome
 import trio
 
 from pffs import namespace
 from pffs.errors import StoreFull
-
-
-class WorkerPool:
-    """Long-lived threads taking calls from one queue; a cheaper hop than trio.to_thread.
-
-    Calls are not cancellable once queued (commits must run to the end).
-    At most ``size`` run at once; more wait in the queue.
-    """
-
-    def __init__(self, size: int, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
-                         for i in range(size)]
-        for t in self._threads:
-            t.start()
-
-    @property
-    def size(self) -> int:
-        return len(self._threads)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            fn, args, token, deliver = job
-            result = outcome.capture(fn, *args)
-            try:
-                token.run_sync_soon(deliver, result)
-            except trio.RunFinishedError:
-                pass
-
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        task = trio.lowlevel.current_task()
-        self._q.put((fn, args, trio.lowlevel.current_trio_token(),
-                     functools.partial(trio.lowlevel.reschedule, task)))
-        return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-
-    def submit(self, done: Callable[[outcome.Outcome], Any], fn: Callable[..., Any], *args: Any) -> None:
-        """From the trio thread, without waiting: ``done(outcome of fn(*args))``
-        runs on the trio thread once a worker has run it."""
-        self._q.put((fn, args, trio.lowlevel.current_trio_token(), done))
-
-    def stop(self) -> None:
-        for _ in self._threads:
-            self._q.put(None)
-        for t in self._threads:
-            t.join(10)
+from pffs.fs.workers import WorkerPool
 
 
 class Database:
-    def __init__(self, path: str | os.PathLike):
+    """The namespace of a mount: made on the event loop's thread, whose it is.
+
+    *on_full*, called when a commit finds the disk full, says whether it made
+    room (the store's reserve given up: pffs.store.reserve); the commit is
+    then tried once more.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, on_full: Callable[[], bool] | None = None):
         self.path = str(path)
         self._loop_thread = threading.get_ident()
         self._ro = namespace.connect(self.path)
         self._rw = namespace.connect(self.path)
         # Checkpoints are run by the daemon's periodic task, not by a commit
         # that happens to cross the threshold on the event loop.
-        self._rw.execute("PRAGMA wal_autocheckpoint = 0")
-        self._ro.execute("PRAGMA wal_autocheckpoint = 0")
+        namespace.no_autocheckpoint(self._rw)
+        namespace.no_autocheckpoint(self._ro)
         self.limiter = trio.CapacityLimiter(1)
         # Held by whichever worker thread uses the write connection: the writer
         # thread, or a commit thread committing the file it has just stored.
         self.rw_lock = threading.Lock()
         # One thread: changes run one at a time, in the order they were asked for.
         self.writer = WorkerPool(1, "pffs-db-writer")
-        # Called when a commit finds the disk full; True if it made room.
-        self.on_full: Callable[[], bool] | None = None
+        self.on_full = on_full
         # Bumped after every committed change: what was read from ``ro`` at
         # an earlier generation may be stale (see pffs.fs.prefetch.PageWindow).
         self.generation = 0
@@ -123,7 +78,12 @@ class Database:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[sqlite3.Connection]:
-        """From a worker thread: the write connection, under ``rw_lock``."""
+        """From a worker thread: the write connection, under ``rw_lock`` (the
+        event loop's changes go through ``write_small``, which never waits
+        for the lock: this refuses the loop's thread)."""
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("the namespace's write connection is taken from worker threads,"
+                               " never on the event loop")
         with self.rw_lock:
             self._rw_wait(True)
             yield self._rw
@@ -132,14 +92,14 @@ class Database:
         """Under rw_lock: the write connection waits for another process's lock
         (up to namespace.BUSY_TIMEOUT_MS), or never."""
         if waits != self._rw_waits:
-            self._rw.execute(f"PRAGMA busy_timeout = {namespace.BUSY_TIMEOUT_MS if waits else 0}")
+            namespace.set_busy_timeout(self._rw, namespace.BUSY_TIMEOUT_MS if waits else 0)
             self._rw_waits = waits
             self.counts["timeout_switches"] += 1
 
     def data_version(self) -> int:
         """Changes whenever any connection, of this process or another (gc), has
         committed since ``ro`` last looked (SQLite's PRAGMA data_version; O(1))."""
-        return self.ro.execute("PRAGMA data_version").fetchone()[0]
+        return namespace.data_version(self.ro)
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(rw_conn, *args)`` in one transaction in the writer thread."""
@@ -197,7 +157,7 @@ class Database:
             try:
                 return self._transaction(fn, args)
             except sqlite3.OperationalError as e:
-                # Disk full: give up the store's reserve (pffs.daemon.reserve) and
+                # Disk full: give up the store's reserve (pffs.store.reserve) and
                 # try once more, so that deletions commit on a full disk.
                 if not namespace.is_disk_full(e):
                     raise
@@ -223,7 +183,7 @@ class Database:
 
     def checkpoint_sync(self, mode: str = "PASSIVE") -> None:
         with self.writing() as conn:
-            conn.execute(f"PRAGMA wal_checkpoint({mode})")
+            namespace.checkpoint(conn, mode)
 
     async def checkpoint(self, mode: str = "PASSIVE") -> None:
         await trio.to_thread.run_sync(self.checkpoint_sync, mode, limiter=self.limiter)
@@ -252,8 +212,8 @@ class Database:
     def close(self) -> None:
         self.writer.stop()
         try:
-            self._rw.execute(f"PRAGMA busy_timeout = {namespace.BUSY_TIMEOUT_MS}")
-            self._rw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            namespace.set_busy_timeout(self._rw, namespace.BUSY_TIMEOUT_MS)
+            namespace.checkpoint(self._rw, "TRUNCATE")
         except sqlite3.Error:
             pass
         self._ro.close()

@@ -15,23 +15,24 @@ import functools
 import logging
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import pyfuse3
 import trio
-from pyfuse3 import FUSEError
+from pyfuse3 import FileInfo, FUSEError, RequestContext
 
 from pffs import manifest as mf
 from pffs import namespace as ns
 from pffs.errors import StoreFull, StoreUnavailable
 from pffs.fs.blobcache import BlobReader
-from pffs.fs.content import AcceptedManifest, ContentStore, StoredContent
+from pffs.fs.content import ContentStore
 from pffs.fs.copies import copy_pieces
 from pffs.fs.db import Database
 from pffs.fs.inodes import InodeState, InodeTable, Invalidator
 from pffs.fs.prefetch import Prefetch
 from pffs.fs.write_stage import MemoryBudget, Staging, journal_inode
-from pffs.namespace import BLOCK_SIZE, BlobRow, FsError
+from pffs.namespace import BLOCK_SIZE, BlobRow, FsError, StoredContent
 
 log = logging.getLogger("pffs.fs")
 
@@ -39,16 +40,10 @@ MANIFEST = mf.MANIFEST_NAME.encode()
 # Writes to (and reads of) a staged file on disk up to this size are done on
 # the event loop: a pwrite into the page cache costs less than a hand-off.
 SMALL_WRITE = 64 << 10
+# What a file given blobs as content (see Files._fill_empty) holds: (size, blocks).
+Filled = tuple[int, list[str]]
 # pyfuse3 built with third_party/pyfuse3's patch: FileInfo.noflush (FOPEN_NOFLUSH).
 NOFLUSH = hasattr(pyfuse3.FileInfo(), "noflush") and not os.environ.get("PFFS_STOCK_PYFUSE3")
-
-
-class _LateRefusal(Exception):
-    """A commit's bytes, not checked as a manifest, found named manifest.json in its transaction."""
-
-    def __init__(self, error: mf.ManifestError):
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclass
@@ -70,6 +65,9 @@ class Files:
     reader: BlobReader
     prefetch: Prefetch
     invalidate: Invalidator
+    # The daemon's, where a read ahead and write-behind run while it serves
+    # (None: neither runs, as in handler tests without a daemon).
+    nursery: trio.Nursery | None
     staging_memory: int = 128 << 20
     # fsync() of a staged file journals its bytes rather than committing them
     # (off for an S3 store: there, fsync uploads).
@@ -83,11 +81,10 @@ class Files:
         # (off where a commit uploads or syncs its blobs: S3, -o sync=close).
         self.write_behind = not self.content.sync_on_close
         self.behind_limiter = trio.CapacityLimiter(1)   # (the block budget allows one anyway)
-        self.nursery: trio.Nursery | None = None        # (the daemon's, while it serves)
         # Bytes copy_file_range gave by sharing blobs, and bytes it copied (stats.json).
         self.copies = {"shared_bytes": 0, "copied_bytes": 0}
 
-    def created(self, ino: int, name: bytes, flags: int, ctx) -> int:
+    def created(self, ino: int, name: bytes, flags: int, ctx: RequestContext) -> int:
         """A handle of a file just created empty (its first write needs nothing
         from the namespace)."""
         fh = self.open_handle(ino, flags, ctx)
@@ -98,7 +95,7 @@ class Files:
             st.blocks, st.size = [], 0  # what is committed: nothing
         return fh
 
-    def open_handle(self, ino: int, flags: int, ctx) -> int:
+    def open_handle(self, ino: int, flags: int, ctx: RequestContext) -> int:
         fh = self._next_fh
         self._next_fh += 1
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -110,7 +107,7 @@ class Files:
             st.writer_uid, st.writer_gid = ctx.uid, ctx.gid
         return fh
 
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
         # (The kernel sends opendir, never open, for a directory.)
         fh = self.open_handle(inode, flags, ctx)
         if self.nursery is not None and (flags & os.O_ACCMODE) != os.O_WRONLY:
@@ -128,10 +125,10 @@ class Files:
                 stg.mtime_ns = ns.now_ns()
         if NOFLUSH and (flags & os.O_ACCMODE) == os.O_RDONLY:
             # A reader's close commits nothing (see flush): no FLUSH request.
-            return pyfuse3.FileInfo(fh=fh, keep_cache=True, noflush=True)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+            return FileInfo(fh=fh, keep_cache=True, noflush=True)
+        return FileInfo(fh=fh, keep_cache=True)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         of = self.handles[fh]
         if of.read_ahead:
             of.read_ahead = False
@@ -188,7 +185,7 @@ class Files:
         else:
             # A block at a time into the staging's spill file, never the whole
             # file in memory; blocks of zeros stay holes, read nor written.
-            stg = Staging(self.budget, str(self.content.staging_dir), b"")
+            stg = Staging(self.budget, str(self.content.staging_dir), b"", fetch=self.content.get)
             zero = {}
             if blocks:
                 await trio.to_thread.run_sync(stg.truncate, node.size)
@@ -198,12 +195,11 @@ class Files:
             # (Read in when first changed, see Staging.unloaded.)
             stg.unloaded = {bn for bn, d in enumerate(blocks)
                             if d != zero[min(BLOCK_SIZE, node.size - bn * BLOCK_SIZE)]}
-            stg.fetch = self.content.get
         stg.dirty = False
         st.staging = stg
         return stg
 
-    async def write(self, fh, off, buf):
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
         of = self.handles[fh]
         if not of.writable:
             raise FUSEError(errno.EBADF)
@@ -303,19 +299,20 @@ class Files:
         of = self.handles.get(fh)
         if of is None or not of.writable or not 0 < size <= BLOCK_SIZE:
             return False
+        return await self._fill_empty(of.ino, functools.partial(self._give_blob, of.ino, digest, size, row)) \
+            is not None
 
-        async def content(staged_empty: bool, t: int):
-            def fn(conn):
-                if not staged_empty and ns.get_inode(conn, of.ino).size:
-                    return None     # (not empty)
-                if row is None and digest not in ns.known_blobs(conn, {digest}):
-                    return None
-                ns.set_content(conn, of.ino, size, digest, [digest], [row] if row is not None else [], t)
-                return size, [digest]
-            done, got = self.content.name_if_stored_now(digest, functools.partial(self.db.try_small, fn))
-            return got if done else await self.content.workers.call(
-                self.content.name_if_stored, digest, functools.partial(self.db.run_in_transaction, fn))
-        return await self._fill_empty(of.ino, content) is not None
+    async def _give_blob(self, ino: int, digest: str, size: int, row: BlobRow | None, staged_empty: bool,
+                         t: int) -> Filled | None:
+        """``ns.give_blob`` if the store holds the blob (``ContentStore.name_if_stored``):
+        on the loop where that need not wait, else in a commit thread."""
+        change = (ns.give_blob, ino, size, digest, row, staged_empty, t)
+        done, got = self.content.name_if_stored_now(digest, functools.partial(self.db.try_small, *change))
+        if done:
+            return got or None
+        got = await self.content.workers.call(self.content.name_if_stored, digest,
+                                              functools.partial(self.db.run_in_transaction, *change))
+        return got or None
 
     async def copy_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
                          length: int) -> int:
@@ -341,27 +338,16 @@ class Files:
     async def _share_blobs(self, src: int, dst: int, length: int) -> int | None:
         """Give empty file *dst* the committed blobs of all of *src*: its size,
         or None where that cannot be done (then the bytes are copied)."""
-        sst = self.inodes.states.get(src)
-        if sst is not None and sst.staging is not None and sst.staging.dirty:
-            async with sst.lock:
-                await self.commit(src, sst)
+        await self.commit_staged(src)
+        return await self._fill_empty(dst, functools.partial(self.db.write_small, ns.share_content,
+                                                             src, dst, length))
 
-        def content(staged_empty: bool, t: int):
-            def fn(conn):
-                node = ns.get_inode(conn, src)
-                if node.size > length or (not staged_empty and ns.get_inode(conn, dst).size):
-                    return None     # (part of a file, or a target that is not empty)
-                blocks = ns.blocks_of(conn, src)
-                ns.set_content(conn, dst, node.size, node.digest, blocks, [], t)
-                return node.size, blocks
-            return self.db.write_small(fn)
-        return await self._fill_empty(dst, content)
-
-    async def _fill_empty(self, ino: int, content) -> int | None:
+    async def _fill_empty(self, ino: int, content: Callable[[bool, int], Awaitable[Filled | None]],
+                          ) -> int | None:
         """Give empty file *ino* (created, or opened with O_TRUNC, or committed
         empty) blobs as content: ``await content(staged_empty, mtime_ns)`` runs
-        the transaction and gives (size, blocks), or a false value where it
-        cannot.  The new size, or None (then the bytes are copied)."""
+        the transaction and gives (size, blocks), or None where it cannot.
+        The new size, or None (then the bytes are copied)."""
         st = self.inodes.states[ino]
         if self._named_manifest(ino, st):
             return None     # (a manifest.json is copied byte by byte, and checked at its close)
@@ -372,7 +358,7 @@ class Files:
             if stg is not None and stg.size:
                 return None
             got = await content(stg is not None, ns.now_ns())
-            if not got:
+            if got is None:
                 return None
             size, blocks = got
             if stg is not None:
@@ -389,7 +375,7 @@ class Files:
                      size, ns.MAX_FILE_SIZE)
             raise FUSEError(errno.EFBIG)
 
-    async def truncate(self, ino: int, size: int, ctx) -> None:
+    async def truncate(self, ino: int, size: int, ctx: RequestContext) -> None:
         st = self.inodes.state(ino)
         st.opens += 1  # hold the state while we work
         try:
@@ -421,47 +407,18 @@ class Files:
         if stg is None or not stg.dirty:
             return
         is_manifest = check_manifest and self._named_manifest(ino, st)
-        uid, gid = st.writer_uid, st.writer_gid
         was_empty = st.blocks == []     # known committed content: none
-
-        def fn(conn, stored):
-            m = stored.manifest
-            if m is None and any(n == MANIFEST for _, n in ns.names_of(conn, ino)):
-                # It took the name manifest.json after the check above (a rename
-                # committed meanwhile): its bytes are checked here, where the
-                # names are those this transaction commits against.
-                try:
-                    if stored.size > mf.MAX_MANIFEST_BYTES:
-                        raise mf.ManifestError("manifest", f"{stored.size} bytes exceed the "
-                                               f"{mf.MAX_MANIFEST_BYTES}-byte cap")
-                    m = mf.parse(stg.read(0, stored.size))
-                except mf.ManifestError as e:
-                    raise _LateRefusal(e) from None
-            ns.set_content(conn, ino, stored.size, stored.digest, stored.blocks, stored.blob_rows,
-                           stg.mtime_ns, was_empty=was_empty)
-            created = []
-            if isinstance(m, AcceptedManifest):
-                # A fork's manifest: its page list is the accepted one's, unless
-                # that went with its last holder since (then it is parsed anew).
-                if not ns.record_known_manifest(conn, ino, stored.digest, m.n_pages):
-                    ns.record_manifest(conn, ino, mf.parse(stg.read(0, stored.size)).pages,
-                                       stored.digest)
-            elif m is not None:
-                ns.record_manifest(conn, ino, m.pages, stored.digest)
-            if m is not None:
-                for parent, name in ns.names_of(conn, ino):
-                    if name == MANIFEST:
-                        created += ns.fork_pages(conn, parent, stored.digest, uid, gid)
-            return created
-
+        # The transaction, in the commit thread once the blobs are stored: a
+        # file that took the name manifest.json after the check above (a
+        # rename committed meanwhile) has its bytes checked there.
+        then = functools.partial(self.db.run_in_transaction, ns.commit_file, ino, stg, was_empty,
+                                 st.writer_uid, st.writer_gid)
         try:
-            stored, created = await self.content.store(
-                stg, parse_manifest=is_manifest,
-                then=lambda stored: self.db.run_in_transaction(fn, stored))
+            stored, created = await self.content.store(stg, parse_manifest=is_manifest, then=then)
         except StoreFull as e:
             stg.forget_early()     # (gc may take write-behind's blobs: room comes back sooner)
             raise StoreFull(f"{self.inodes.path_of(ino)}: {e}") from None  # the log line names the file
-        except _LateRefusal as e:
+        except ns.LateManifest as e:
             stored = StoredContent(stg.size, "", [], [], manifest_error=e.error)
         if stored.manifest_error is not None:
             where = self.inodes.path_of(ino)
@@ -499,7 +456,7 @@ class Files:
             del self.inodes.states[ino]
             await self.inodes.maybe_delete(ino)
 
-    async def flush(self, fh):
+    async def flush(self, fh: int) -> None:
         await self._flush(self.handles[fh])
 
     async def _flush(self, of: OpenFile, any_handle: bool = False) -> None:
@@ -511,7 +468,7 @@ class Files:
             async with st.lock:
                 await self.commit(of.ino, st)
 
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: int, datasync: bool) -> None:
         of = self.handles[fh]
         st = self.inodes.states.get(of.ino)
         if st is not None and st.staging is not None and st.staging.dirty and self.journal_fsync:
@@ -528,6 +485,43 @@ class Files:
             await self._flush(of, True)
         await self.content.sync_pending()
         await self.db.sync_wal()
+
+    # -- what the namespace's handlers ask of an inode's staged state ------------
+
+    def size_and_mtime(self, node: ns.Inode) -> tuple[int, int]:
+        """The size and mtime a stat of *node* shows: its staged bytes' while it
+        is being written."""
+        size, mtime = node.size, node.mtime_ns
+        st = self.inodes.states.get(node.id)
+        if st is not None and st.staging is not None:
+            size = st.staging.size
+            if st.staging.mtime_ns is not None:
+                mtime = st.staging.mtime_ns
+        return size, mtime
+
+    def set_mtime(self, ino: int, mtime_ns: int) -> None:
+        """An explicit mtime of *ino* (setattr): it wins over the time of the staged writes."""
+        st = self.inodes.states.get(ino)
+        if st is not None and st.staging is not None:
+            st.staging.mtime_ns = mtime_ns
+
+    def named_anew(self, ino: int) -> None:
+        """*ino* may take another name (a rename, a link): from now on no commit
+        of it skips looking up its names (see InodeState.plain)."""
+        st = self.inodes.states.get(ino)
+        if st is not None:
+            st.plain = False
+
+    async def commit_staged(self, ino: int, check_manifest: bool = True) -> bool:
+        """Commit what is staged of *ino* and not committed yet (a file about to
+        be read whole: its digest asked for, a manifest checked or forked):
+        whether there was such a change."""
+        st = self.inodes.states.get(ino)
+        if st is None or st.staging is None or not st.staging.dirty:
+            return False
+        async with st.lock:
+            await self.commit(ino, st, check_manifest=check_manifest)
+        return True
 
     def _named_manifest(self, ino: int, st: InodeState) -> bool:
         return not st.plain and any(n == MANIFEST for _, n in ns.names_of(self.db.ro, ino))
@@ -571,7 +565,7 @@ class Files:
                 st.opens -= 1
                 await self._drop_state_if_idle(ino)
 
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         of = self.handles.pop(fh)
         st = self.inodes.states.get(of.ino)
         if st is None:

@@ -105,8 +105,7 @@ class InodeTable:
         unlinked)."""
         if self.in_use(ino):
             return
-        row = self.db.ro.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
-        if row is None or row[0] != 0:
+        if ns.nlink_of(self.db.ro, ino) != 0:
             return
         deleted = self._deleted
         self._doomed.append(ino)
@@ -120,7 +119,11 @@ class InodeTable:
                 deleted, self._deleted = self._deleted, trio.Event()
                 small = len(batch) <= SMALL_BATCH and all(ns.deletes_little(self.db.ro, i) for i in batch)
                 try:
-                    await (self.db.write_small if small else self.db.write)(self._delete, batch)
+                    # (The writer asks in_use, which reads loop state that only
+                    # the loop changes: a lookup since the check above keeps
+                    # the inode.)
+                    await (self.db.write_small if small else self.db.write)(ns.delete_unlinked, batch,
+                                                                            self.in_use)
                 except Exception:       # (the names are gone: the next mount deletes them)
                     log.exception("deleting unlinked inodes %s", batch[:8])
                 finally:
@@ -132,14 +135,6 @@ class InodeTable:
             self._doomed = []
             self._deleted.set()
             self._deleted = trio.Event()
-
-    def _delete(self, conn, inos: list[int]) -> None:
-        # (In the writer: in_use reads loop state, which only the loop changes,
-        # and a lookup since maybe_delete's check keeps the inode.)
-        for ino in inos:
-            row = conn.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
-            if row is not None and row[0] == 0 and not self.in_use(ino):
-                ns.delete_inode(conn, ino)
 
 
 def _notify(notify, ino: int, arg) -> None:

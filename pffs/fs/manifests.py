@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import stat
 from dataclasses import dataclass
 
 import trio
@@ -56,15 +55,13 @@ class Manifests:
     reader: BlobReader
     invalidate: Invalidator
 
-    async def validate_existing(self, ino: int, new_parent: int, op: str):
-        """Validate the content of *ino* before it takes the name manifest.json."""
+    async def validate_existing(self, ino: int, new_parent: int, op: str) -> ns.CheckedManifest | None:
+        """Validate the content of *ino* before it takes the name manifest.json
+        (None: not a regular file, nothing to check)."""
         node = ns.get_inode(self.db.ro, ino)
         if not node.is_reg:
             return None
-        st = self.inodes.states.get(ino)
-        if st is not None and st.staging is not None and st.staging.dirty:
-            async with st.lock:
-                await self.files.commit(ino, st, check_manifest=False)
+        if await self.files.commit_staged(ino, check_manifest=False):
             node = ns.get_inode(self.db.ro, ino)
         blocks = ns.blocks_of(self.db.ro, ino)
         where = f"{self.inodes.path_of(new_parent).rstrip('/')}/manifest.json"
@@ -81,13 +78,6 @@ class Manifests:
             log.warning("%s %s: refused manifest: %s", op, where, e)
             raise FUSEError(errno.EINVAL) from None
         return (node.digest, m.pages)
-
-    def take_name(self, conn, ino, checked, parent, uid, gid):
-        digest, pages = checked
-        if ns.get_inode(conn, ino).digest != digest:
-            raise FsError(errno.EAGAIN, "manifest changed while it was being validated")
-        ns.record_manifest(conn, ino, pages, digest)
-        return ns.fork_pages(conn, parent, digest, uid, gid)
 
     def resolve_readable(self, path: bytes, ctx, folder: bool = False) -> int:
         """The inode at *path* (from the mount's root) that the caller may read:
@@ -132,27 +122,8 @@ class Manifests:
         if self.content.blobs.remote:
             raise FUSEError(errno.EOPNOTSUPP)
         src = self.resolve_readable(value, ctx)
-        st = self.inodes.states.get(src)
-        if st is not None and st.staging is not None and st.staging.dirty:
-            async with st.lock:
-                await self.files.commit(src, st)
-        uid, gid = ctx.uid, ctx.gid
-
-        def fn(conn):
-            row = conn.execute("SELECT n_pages, digest FROM manifests WHERE inode=?", (src,)).fetchone()
-            node = ns.get_inode(conn, src)
-            if row is None or node.digest != row[1]:
-                raise FsError(errno.EINVAL, "not an accepted manifest")
-            n_pages, digest = row
-            blocks = ns.blocks_of(conn, src)
-            new = ns.make_inode(conn, folder, MANIFEST, stat.S_IFREG | 0o644, uid, gid)
-            ns.set_content(conn, new.id, node.size, digest, blocks, [], None, new.ctime_ns,
-                           was_empty=True)
-            if not ns.record_known_manifest(conn, new.id, digest, n_pages):
-                raise FsError(errno.EINVAL, "its page list is not recorded whole")
-            return ns.fork_pages(conn, folder, digest, uid, gid)
-
-        created = await self.db.write(fn)
+        await self.files.commit_staged(src)
+        created = await self.db.write(ns.fork_manifest, src, folder, ctx.uid, ctx.gid)
         self.invalidate.inode(folder, True)
         self.invalidate.announce(created)
 

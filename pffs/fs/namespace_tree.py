@@ -3,25 +3,42 @@ attributes in SQLite (pffs.namespace), file contents through pffs.fs.files,
 manifest acceptance and forks through pffs.fs.manifests.
 
 Reads of the namespace are short indexed queries on the loop's read
-connection; every change is one function of pffs.namespace run by the
-writer (``Database.write``).  See docs/concurrency.md.
+connection (functions of pffs.namespace); every change is one function of
+pffs.namespace run by the writer (``Database.write``), or on the loop where
+it need not wait (``Database.write_small``).  What is staged of an open file
+is asked of pffs.fs.files.  See docs/concurrency.md.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyfuse3
 import trio
-from pyfuse3 import FUSEError
+from pyfuse3 import (
+    EntryAttributes,
+    FileHandleT,
+    FileInfo,
+    FileNameT,
+    FlagT,
+    FUSEError,
+    InodeT,
+    ModeT,
+    ReaddirToken,
+    RequestContext,
+    SetattrFields,
+    StatvfsData,
+    XAttrNameT,
+)
 
 from pffs import namespace as ns
-from pffs.fs.adoption import page_verdict
 from pffs.fs.blobcache import BlobReader
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
@@ -35,7 +52,6 @@ from pffs.names import ENTRIES_XATTR_B as ENTRIES_XATTR
 from pffs.names import FORK_XATTR_B as FORK_XATTR
 from pffs.names import PAGES_XATTR_B as PAGES_XATTR
 from pffs.names import STORE_XATTR_B as STORE_XATTR
-from pffs.namespace import FsError
 
 log = logging.getLogger("pffs.fs")
 
@@ -79,8 +95,8 @@ class NamespaceTree(Tree):
     def path_of(self, ino: int) -> str:
         return self.inodes.path_of(ino)
 
-    def attrs(self, node: ns.Inode) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
+    def attrs(self, node: ns.Inode) -> EntryAttributes:
+        a = EntryAttributes()
         a.st_ino = node.id
         a.generation = 0
         a.entry_timeout = ENTRY_TIMEOUT
@@ -90,13 +106,7 @@ class NamespaceTree(Tree):
         a.st_uid = node.uid
         a.st_gid = node.gid
         a.st_rdev = node.rdev
-        size = node.size
-        mtime = node.mtime_ns
-        st = self.inodes.states.get(node.id)
-        if st is not None and st.staging is not None:
-            size = st.staging.size
-            if st.staging.mtime_ns is not None:
-                mtime = st.staging.mtime_ns
+        size, mtime = self.files.size_and_mtime(node)
         a.st_size = size
         a.st_blksize = BLKSIZE
         a.st_blocks = (size + 511) // 512
@@ -105,12 +115,12 @@ class NamespaceTree(Tree):
         a.st_ctime_ns = node.ctime_ns
         return a
 
-    def _getattr(self, ino: int) -> pyfuse3.EntryAttributes:
+    def _getattr(self, ino: int) -> EntryAttributes:
         return self.attrs(ns.get_inode(self.db.ro, ino))
 
     # -- lookups and attributes --------------------------------------------
 
-    async def lookup(self, parent, name, ctx):
+    async def lookup(self, parent: InodeT, name: FileNameT, ctx: RequestContext | None) -> EntryAttributes:
         if len(name) > ns.NAME_MAX:
             log.info("lookup in %s: name of %d bytes refused (limit %d)", self.path_of(parent),
                      len(name), ns.NAME_MAX)
@@ -118,13 +128,11 @@ class NamespaceTree(Tree):
         if name == b".":
             ino = parent
         elif name == b"..":
-            row = self.db.ro.execute("SELECT parent FROM dentries WHERE inode=? LIMIT 1",
-                                     (parent,)).fetchone()
+            row = ns.first_entry(self.db.ro, parent)
             ino = row[0] if row else ns.ROOT_INODE
         else:
-            ino = ns.lookup(self.db.ro, parent, name)
-            if ino is None:
-                ino = await self._lookup_folded(parent, name)
+            found = ns.lookup(self.db.ro, parent, name)
+            ino = found if found is not None else await self._lookup_folded(parent, name)
         attr = self._getattr(ino)
         self.inodes.looked_up(ino)
         if name not in (b".", b".."):
@@ -133,11 +141,7 @@ class NamespaceTree(Tree):
 
     async def _lookup_folded(self, parent: int, name: bytes) -> int:
         """A name missing from *parent*: there after all once a folded fork there is unfolded."""
-        # One statement, one snapshot: an unfold committed between a lookup
-        # and a look at folds would otherwise hide the name.
-        ino, folded = self.db.ro.execute(
-            "SELECT (SELECT inode FROM dentries WHERE parent=:p AND name=:n),"
-            " EXISTS (SELECT 1 FROM folds WHERE dir=:p)", dict(p=parent, n=name)).fetchone()
+        ino, folded = ns.lookup_or_folded(self.db.ro, parent, name)
         if ino is None and folded:
             await self.db.write(ns.unfold, parent)
             ino = ns.lookup(self.db.ro, parent, name)
@@ -145,7 +149,7 @@ class NamespaceTree(Tree):
             raise FUSEError(errno.ENOENT)
         return ino
 
-    async def forget(self, inode, n):
+    async def forget(self, inode: InodeT, n: int) -> None:
         if not self.inodes.forgot(inode, n):
             return
         self.prefetch.forgot(inode)
@@ -154,10 +158,11 @@ class NamespaceTree(Tree):
         except Exception:
             log.exception("forget of inode %d", inode)
 
-    async def getattr(self, inode, ctx):
+    async def getattr(self, inode: InodeT, ctx: RequestContext | None) -> EntryAttributes:
         return self._getattr(inode)
 
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
+                      fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
         node = ns.get_inode(self.db.ro, inode)
         if fields.update_size:
             if not node.is_reg:
@@ -176,58 +181,59 @@ class NamespaceTree(Tree):
             changes["atime_ns"] = attr.st_atime_ns
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
-            st = self.inodes.states.get(inode)
-            if st is not None and st.staging is not None:
-                # An explicit mtime wins over the time of the staged writes.
-                st.staging.mtime_ns = attr.st_mtime_ns
+            self.files.set_mtime(inode, attr.st_mtime_ns)
         if changes or fields.update_size:
             changes["ctime_ns"] = attr.st_ctime_ns if fields.update_ctime else t
-            await self.db.write_small(lambda c: ns.set_attrs(c, inode, **changes))
+            await self.db.write_small(functools.partial(ns.set_attrs, **changes), inode)
         return self._getattr(inode)
 
-    async def readlink(self, inode, ctx):
+    async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         node = ns.get_inode(self.db.ro, inode)
-        if not stat.S_ISLNK(node.mode):
+        if not stat.S_ISLNK(node.mode) or node.target is None:
             raise FUSEError(errno.EINVAL)
         return node.target
 
     # -- directory changes -------------------------------------------------
 
-    async def _make(self, parent, name, mode, ctx, rdev=0, target=None) -> pyfuse3.EntryAttributes:
+    async def _make(self, parent: InodeT, name: FileNameT, mode: int, ctx: RequestContext, rdev: int = 0,
+                    target: bytes | None = None) -> EntryAttributes:
         if reserved(parent, name):
             raise FUSEError(errno.EEXIST)
         node = await self.db.write_small(ns.make_inode, parent, name, mode, ctx.uid, ctx.gid, rdev, target)
         self.inodes.looked_up(node.id)
         return self.attrs(node)
 
-    async def mkdir(self, parent, name, mode, ctx):
+    async def mkdir(self, parent: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
         mode = stat.S_IFDIR | (stat.S_IMODE(mode) & ~ctx.umask)
         return await self._make(parent, name, mode, ctx)
 
-    async def mknod(self, parent, name, mode, rdev, ctx):
+    async def mknod(self, parent: InodeT, name: FileNameT, mode: ModeT, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
         if stat.S_IFMT(mode) == 0:
             mode |= stat.S_IFREG
         mode = stat.S_IFMT(mode) | (stat.S_IMODE(mode) & ~ctx.umask)
         return await self._make(parent, name, mode, ctx, rdev=rdev)
 
-    async def symlink(self, parent, name, target, ctx):
+    async def symlink(self, parent: InodeT, name: FileNameT, target: FileNameT,
+                      ctx: RequestContext) -> EntryAttributes:
         if len(target) > 4096:
             raise FUSEError(errno.ENAMETOOLONG)
         return await self._make(parent, name, stat.S_IFLNK | 0o777, ctx, target=target)
 
-    async def create(self, parent, name, mode, flags, ctx):
+    async def create(self, parent: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         mode = stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask)
         attr = await self._make(parent, name, mode, ctx)
         fh = self.files.created(attr.st_ino, name, flags, ctx)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), attr
+        return FileInfo(fh=fh, keep_cache=True), attr
 
-    async def unlink(self, parent, name, ctx):
+    async def unlink(self, parent: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         await self._remove(ns.unlink, parent, name)
 
-    async def rmdir(self, parent, name, ctx):
+    async def rmdir(self, parent: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         await self._remove(ns.rmdir, parent, name)
 
-    async def _remove(self, remove, parent: int, name: bytes) -> None:
+    async def _remove(self, remove: Callable[..., tuple[int, bool]], parent: int, name: bytes) -> None:
         """A name gone (``ns.unlink`` or ``ns.rmdir``), then its inode unless held.
 
         The name is a few rows, changed on the loop where nothing else writes
@@ -238,7 +244,8 @@ class NamespaceTree(Tree):
         ino, _ = await self.db.write_small(remove, parent, name, _held)
         await self.inodes.maybe_delete(ino)
 
-    async def rename(self, p_old, n_old, p_new, n_new, flags, ctx):
+    async def rename(self, p_old: InodeT, n_old: FileNameT, p_new: InodeT, n_new: FileNameT, flags: FlagT,
+                     ctx: RequestContext) -> None:
         if reserved(p_old, n_old) or reserved(p_new, n_new):
             raise FUSEError(errno.EPERM)
         if len(n_new) > ns.NAME_MAX:
@@ -251,84 +258,65 @@ class NamespaceTree(Tree):
             if ino is None:
                 raise FUSEError(errno.ENOENT)
             checked = await self.manifests.validate_existing(ino, p_new, "rename")
-        uid, gid = ctx.uid, ctx.gid
         for name_of in ((p_old, n_old), (p_new, n_new)):
-            # Both may take a new name (an exchange moves the target too): from
-            # now on no flush of theirs skips looking up its names.
-            st = self.inodes.states.get(ns.lookup(self.db.ro, *name_of) or 0)
-            if st is not None:
-                st.plain = False
-
-        def fn(conn):
-            ino, replaced, deleted = ns.rename(conn, p_old, n_old, p_new, n_new, flags,
-                                               self.inodes.in_use)
-            created = []
-            if checked is not None:
-                created = self.manifests.take_name(conn, ino, checked, p_new, uid, gid)
-            return replaced, deleted, created
-
-        replaced, deleted, created = await self.db.write(fn)
+            # Both may take a new name (an exchange moves the target too).
+            self.files.named_anew(ns.lookup(self.db.ro, *name_of) or 0)
+        replaced, deleted, created = await self.db.write(
+            ns.rename_with_manifest, p_old, n_old, p_new, n_new, flags, self.inodes.in_use, checked,
+            ctx.uid, ctx.gid)
         self.invalidate.announce(created)
         if replaced is not None and not deleted:
             await self.inodes.maybe_delete(replaced)
 
-    async def link(self, inode, new_parent, new_name, ctx):
+    async def link(self, inode: InodeT, new_parent: InodeT, new_name: FileNameT,
+                   ctx: RequestContext) -> EntryAttributes:
         if reserved(new_parent, new_name):
             raise FUSEError(errno.EPERM)
         checked = None
         if new_name == MANIFEST:
             checked = await self.manifests.validate_existing(inode, new_parent, "link")
-        uid, gid = ctx.uid, ctx.gid
-        st = self.inodes.states.get(inode)
-        if st is not None:
-            st.plain = False
-
-        def fn(conn):
-            node = ns.link(conn, inode, new_parent, new_name)
-            created = []
-            if checked is not None:
-                created = self.manifests.take_name(conn, inode, checked, new_parent, uid, gid)
-            return node, created
-
-        node, created = await self.db.write(fn)
+        self.files.named_anew(inode)
+        node, created = await self.db.write(ns.link_with_manifest, inode, new_parent, new_name, checked,
+                                            ctx.uid, ctx.gid)
         self.invalidate.announce(created)
         self.inodes.looked_up(inode)
         return self.attrs(node)
 
     # -- open files: pffs.fs.files ----------------------------------------------
 
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         return await self.files.open(inode, flags, ctx)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes | memoryview:
         return await self.files.read(fh, off, size)
 
-    async def write(self, fh, off, buf):
+    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         return await self.files.write(fh, off, buf)
 
-    async def flush(self, fh):
+    async def flush(self, fh: FileHandleT) -> None:
         await self.files.flush(fh)
 
-    async def whole_blob(self, fh):
+    async def whole_blob(self, fh: FileHandleT) -> tuple[str, int, ns.BlobRow | None] | None:
         return self.files.whole_blob(fh)
 
-    async def take_blob(self, fh, digest, size, row):
+    async def take_blob(self, fh: FileHandleT, digest: str, size: int, row: ns.BlobRow | None) -> bool:
         return await self.files.take_blob(fh, digest, size, row)
 
-    async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags):
+    async def copy_file_range(self, fh_in: FileHandleT, off_in: int, fh_out: FileHandleT, off_out: int,
+                              length: int, flags: FlagT) -> int:
         if flags:
             raise FUSEError(errno.EINVAL)
         return await self.files.copy_range(fh_in, off_in, fh_out, off_out, length)
 
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         await self.files.fsync(fh, datasync)
 
-    async def release(self, fh):
+    async def release(self, fh: FileHandleT) -> None:
         await self.files.release(fh)
 
     # -- directories ------------------------------------------------------------
 
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         node = ns.get_inode(self.db.ro, inode)
         if not node.is_dir:
             raise FUSEError(errno.ENOTDIR)
@@ -336,36 +324,35 @@ class NamespaceTree(Tree):
             await self.db.write(ns.unfold, inode)
         return inode
 
-    async def readdir(self, fh, start_id, token) -> bool:
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> bool:
         """List folder *fh* from cookie *start_id*: whether every entry fit."""
         if start_id == 0 and ns.is_folded(self.db.ro, fh):
             # A fork folded it since opendir (which unfolds too): its page files
             # are rows again before they are listed.  (Only an empty pages/ is
             # folded, so a listing under way, past its first entry, never is.)
             await self.db.write(ns.unfold, fh)
-        cur = self.db.ro.execute(ns.READDIR_SQL, (fh, start_id))
+        entries = ns.readdir(self.db.ro, fh, start_id)
         listing = self.prefetch.listing(fh, start_id)
-        for row in cur:
-            node = ns.Inode(*row[2:])
-            if not pyfuse3.readdir_reply(token, row[1], self.attrs(node), row[0]):
+        for cookie, name, node in entries:
+            if not pyfuse3.readdir_reply(token, name, self.attrs(node), cookie):
                 return False
             self.inodes.looked_up(node.id)
-            self.prefetch.where[node.id] = (fh, row[1])
+            self.prefetch.where[node.id] = (fh, name)
             if len(listing.inos) < LISTING_MAX:
                 listing.pos[node.id] = len(listing.inos)
                 listing.inos.append(node.id)
         return True
 
-    async def fsyncdir(self, fh, datasync):
+    async def fsyncdir(self, fh: FileHandleT, datasync: bool) -> None:
         await self.content.sync_pending()
         await self.db.sync_wal()
 
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: RequestContext) -> StatvfsData:
         return self.content.statfs(self.db.ro, self.db.data_version())
 
     # -- extended attributes ----------------------------------------------------
 
-    async def setxattr(self, inode, name, value, ctx):
+    async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
         if name in READONLY_XATTRS:
             raise FUSEError(errno.EPERM)
         if name == FORK_XATTR:
@@ -373,48 +360,34 @@ class NamespaceTree(Tree):
         xattr_ns_ok(name)
         if len(value) > XATTR_SIZE_MAX:
             raise FUSEError(errno.E2BIG)
-        t = ns.now_ns()
+        await self.db.write(ns.set_xattr, inode, name, value, ns.now_ns())
 
-        def fn(conn):
-            ns.get_inode(conn, inode)
-            conn.execute("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?,?,?)",
-                         (inode, name, value))
-            conn.execute("UPDATE inodes SET ctime_ns=? WHERE id=?", (t, inode))
-        await self.db.write(fn)
-
-    async def getxattr(self, inode, name, ctx):
+    async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
         if name == DIGEST_XATTR:
             return await self._digest(inode)
         if name == STORE_XATTR and inode == ROOT:
             return self.store_json  # .pffs/store.json in one request, for bridges
         if name == PAGES_XATTR:
             # A session folder: which page files do not hold what its manifest lists.
-            verdict = page_verdict(self.db.ro, inode, self.inodes.dirty())
+            verdict = ns.page_verdict(self.db.ro, inode, self.inodes.dirty())
             if verdict is None:
                 raise FUSEError(pyfuse3.ENOATTR)
             return json.dumps(verdict, separators=(",", ":")).encode()
         if name == ENTRIES_XATTR:
             if not ns.get_inode(self.db.ro, inode).is_dir:
                 raise FUSEError(pyfuse3.ENOATTR)
-            n = self.db.ro.execute(
-                "SELECT (SELECT COUNT(*) FROM dentries WHERE parent=:d)"
-                " + COALESCE((SELECT files FROM folds WHERE dir=:d), 0)", dict(d=inode)).fetchone()[0]
-            return str(n).encode()
-        row = self.db.ro.execute("SELECT value FROM xattrs WHERE inode=? AND name=?",
-                                 (inode, name)).fetchone()
-        if row is None:
+            return str(ns.entry_count(self.db.ro, inode)).encode()
+        value = ns.get_xattr(self.db.ro, inode, name)
+        if value is None:
             raise FUSEError(pyfuse3.ENOATTR)
-        return row[0]
+        return value
 
     async def _digest(self, inode: int) -> bytes:
         """DIGEST_XATTR: the sha256 of a file's bytes, its staged ones committed first."""
         node = ns.get_inode(self.db.ro, inode)
         if not node.is_reg:
             raise FUSEError(pyfuse3.ENOATTR)
-        st = self.inodes.states.get(inode)
-        if st is not None and st.staging is not None and st.staging.dirty:
-            async with st.lock:
-                await self.files.commit(inode, st)
+        if await self.files.commit_staged(inode):
             node = ns.get_inode(self.db.ro, inode)
         if node.digest is None:
             # Several blocks: no commit hashes every byte (a small write into a
@@ -425,17 +398,10 @@ class NamespaceTree(Tree):
             return ("sha256:" + h.hexdigest()).encode()
         return node.digest.encode()
 
-    async def listxattr(self, inode, ctx):
-        return [r[0] for r in self.db.ro.execute("SELECT name FROM xattrs WHERE inode=?", (inode,))]
+    async def listxattr(self, inode: InodeT, ctx: RequestContext) -> list[XAttrNameT]:
+        return ns.list_xattrs(self.db.ro, inode)
 
-    async def removexattr(self, inode, name, ctx):
+    async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
         if name in READONLY_XATTRS:
             raise FUSEError(errno.EPERM)
-        t = ns.now_ns()
-
-        def fn(conn):
-            cur = conn.execute("DELETE FROM xattrs WHERE inode=? AND name=?", (inode, name))
-            if cur.rowcount == 0:
-                raise FsError(pyfuse3.ENOATTR)
-            conn.execute("UPDATE inodes SET ctime_ns=? WHERE id=?", (t, inode))
-        await self.db.write(fn)
+        await self.db.write(ns.remove_xattr, inode, name, ns.now_ns())

@@ -13,11 +13,27 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
-from pyfuse3 import FUSEError
+from pyfuse3 import (
+    EntryAttributes,
+    FileHandleT,
+    FileInfo,
+    FileNameT,
+    FlagT,
+    FUSEError,
+    InodeT,
+    ModeT,
+    ReaddirToken,
+    RequestContext,
+    SetattrFields,
+    StatvfsData,
+    XAttrNameT,
+)
 
 from pffs import namespace as ns
 from pffs.errors import StoreFull, StoreUnavailable
@@ -78,16 +94,21 @@ def spin_us() -> int:
 TIMING: dict[str, tuple[int, float]] | None = {} if os.environ.get("PFFS_TIMING") else None
 
 
-def handler(fn):
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def handler(fn: Callable[Concatenate[Operations, P], Awaitable[R]],
+            ) -> Callable[Concatenate[Operations, P], Coroutine[Any, Any, R]]:
     """Map namespace errors to errnos; log anything unexpected and answer EIO."""
     name = fn.__name__
 
     @functools.wraps(fn)
-    async def wrapper(self, *args):
+    async def wrapper(self: Operations, *args: P.args, **kwargs: P.kwargs) -> R:
         t0 = time.perf_counter()
         self.requests[name] = self.requests.get(name, 0) + 1
         try:
-            return await fn(self, *args)
+            return await fn(self, *args, **kwargs)
         except FUSEError:
             raise
         except FsError as e:
@@ -155,55 +176,62 @@ class Operations(pyfuse3.Operations):
     # -- names and attributes ------------------------------------------------
 
     @handler
-    async def lookup(self, parent_inode, name, ctx=None):
+    async def lookup(self, parent_inode: InodeT, name: FileNameT,
+                     ctx: RequestContext | None = None) -> EntryAttributes:
         if parent_inode == ROOT and name in GRAFTS and GRAFTS[name] in self.trees:
             return await self.trees[GRAFTS[name]].lookup(parent_inode, name, ctx)
         return await self._by_inode(parent_inode).lookup(parent_inode, name, ctx)
 
     @handler
-    async def forget(self, inode_list):
+    async def forget(self, inode_list: Sequence[tuple[InodeT, int]]) -> None:
         for ino, n in inode_list:
             if ino < VIRT_BASE:       # (.pffs/ and engines/ count no lookups)
                 await self.namespace.forget(ino, n)
 
     @handler
-    async def getattr(self, inode, ctx=None):
+    async def getattr(self, inode: InodeT, ctx: RequestContext | None = None) -> EntryAttributes:
         return await self._by_inode(inode).getattr(inode, ctx)
 
     @handler
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
+                      fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
         return await self._by_inode(inode).setattr(inode, attr, fields, fh, ctx)
 
     @handler
-    async def readlink(self, inode, ctx):
+    async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         return await self._by_inode(inode).readlink(inode, ctx)
 
     @handler
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT,
+                    ctx: RequestContext) -> EntryAttributes:
         return await self._by_inode(parent_inode).mkdir(parent_inode, name, mode, ctx)
 
     @handler
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+    async def mknod(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
         return await self._by_inode(parent_inode).mknod(parent_inode, name, mode, rdev, ctx)
 
     @handler
-    async def symlink(self, parent_inode, name, target, ctx):
+    async def symlink(self, parent_inode: InodeT, name: FileNameT, target: FileNameT,
+                      ctx: RequestContext) -> EntryAttributes:
         return await self._by_inode(parent_inode).symlink(parent_inode, name, target, ctx)
 
     @handler
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    async def create(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         return await self._by_inode(parent_inode).create(parent_inode, name, mode, flags, ctx)
 
     @handler
-    async def unlink(self, parent_inode, name, ctx):
+    async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         await self._by_inode(parent_inode).unlink(parent_inode, name, ctx)
 
     @handler
-    async def rmdir(self, parent_inode, name, ctx):
+    async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         await self._by_inode(parent_inode).rmdir(parent_inode, name, ctx)
 
     @handler
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+    async def rename(self, parent_inode_old: InodeT, name_old: FileNameT, parent_inode_new: InodeT,
+                     name_new: FileNameT, flags: FlagT, ctx: RequestContext) -> None:
         # Between two trees: the one that is not the namespace says (engines/
         # takes sessions in by name only, .pffs/ nothing).
         tree = self._by_inode(parent_inode_old)
@@ -212,7 +240,8 @@ class Operations(pyfuse3.Operations):
         await tree.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx)
 
     @handler
-    async def link(self, inode, new_parent_inode, new_name, ctx):
+    async def link(self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT,
+                   ctx: RequestContext) -> EntryAttributes:
         if self._by_inode(inode) is not self.namespace \
                 or self._by_inode(new_parent_inode) is not self.namespace:
             raise FUSEError(errno.EPERM)
@@ -221,23 +250,24 @@ class Operations(pyfuse3.Operations):
     # -- files ---------------------------------------------------------------------
 
     @handler
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         return await self._by_inode(inode).open(inode, flags, ctx)
 
-    @handler
-    async def read(self, fh, off, size):
+    @handler  # (a memoryview of a cached blob: pyfuse3 replies from any buffer)
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         return await self._by_fh(fh).read(fh, off, size)
 
     @handler
-    async def write(self, fh, off, buf):
+    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         return await self._by_fh(fh).write(fh, off, buf)
 
     @handler
-    async def flush(self, fh):
+    async def flush(self, fh: FileHandleT) -> None:
         await self._by_fh(fh).flush(fh)
 
     @handler
-    async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags):
+    async def copy_file_range(self, fh_in: FileHandleT, off_in: int, fh_out: FileHandleT, off_out: int,
+                              length: int, flags: int) -> int:
         # (Only pyfuse3 built with third_party/pyfuse3's patch sends it.)
         if not COPY_RANGE:
             raise FUSEError(errno.ENOSYS)     # the kernel copies from now on
@@ -260,21 +290,21 @@ class Operations(pyfuse3.Operations):
         return done
 
     @handler
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         await self._by_fh(fh).fsync(fh, datasync)
 
     @handler
-    async def release(self, fh):
+    async def release(self, fh: FileHandleT) -> None:
         await self._by_fh(fh).release(fh)
 
     # -- folders ----------------------------------------------------------------------
 
     @handler
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         return await self._by_inode(inode).opendir(inode, ctx)
 
     @handler
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
         done = await self._by_dh(fh).readdir(fh, start_id, token)
         if fh == ROOT and done:
             for name in (PFFS, ENGINES):
@@ -282,25 +312,25 @@ class Operations(pyfuse3.Operations):
                     self.trees[name].readdir_root(start_id, token)
 
     @handler
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: FileHandleT) -> None:
         await self._by_dh(fh).releasedir(fh)
 
     @handler
-    async def fsyncdir(self, fh, datasync):
+    async def fsyncdir(self, fh: FileHandleT, datasync: bool) -> None:
         await self.namespace.fsyncdir(fh, datasync)
 
     @handler
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: RequestContext) -> StatvfsData:
         return await self.namespace.statfs(ctx)
 
     # -- extended attributes -------------------------------------------------------
 
     @handler
-    async def setxattr(self, inode, name, value, ctx):
+    async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
         await self._by_inode(inode).setxattr(inode, name, value, ctx)
 
     @handler
-    async def getxattr(self, inode, name, ctx):
+    async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
         if not (name.startswith(b"user.") or name.startswith(b"trusted.")):
             # Namespaces pffs does not keep (security.*, system.posix_acl_*),
             # answered at once: security.capability is asked before every
@@ -310,11 +340,11 @@ class Operations(pyfuse3.Operations):
         return await self._by_inode(inode).getxattr(inode, name, ctx)
 
     @handler
-    async def listxattr(self, inode, ctx):
+    async def listxattr(self, inode: InodeT, ctx: RequestContext) -> Sequence[XAttrNameT]:
         return await self._by_inode(inode).listxattr(inode, ctx)
 
     @handler
-    async def removexattr(self, inode, name, ctx):
+    async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
         await self._by_inode(inode).removexattr(inode, name, ctx)
 
 
@@ -348,12 +378,14 @@ class Handlers:
         self.prefetch.stop()
 
 
-def build(db: Database, content: ContentStore, *, nursery: trio.Nursery, cache_size: int = 128 << 20,
+def build(db: Database, content: ContentStore, *, nursery: trio.Nursery | None, cache_size: int = 128 << 20,
           staging_memory: int = 128 << 20, journal_fsync: bool = True, live_mount: str | None = None,
           socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n") -> Handlers:
     """The handlers of a mount of *db* and *content*, their work in the
-    background going to *nursery*; with *live_mount* (where the mount is, for
-    engines told of paths in it) they serve ``engines/`` too."""
+    background going to *nursery* (the daemon's, opened before anything is
+    built; None: none runs, as in handler tests without a daemon); with
+    *live_mount* (where the mount is, for engines told of paths in it) they
+    serve ``engines/`` too, which needs the nursery."""
     if not (COPY_RANGE and NOFLUSH):
         log.info("pyfuse3 %s without third_party/pyfuse3's patch: copies within the mount move "
                  "their bytes (no copy_file_range), and a reader's close costs a FLUSH request",
@@ -366,7 +398,7 @@ def build(db: Database, content: ContentStore, *, nursery: trio.Nursery, cache_s
     reader = BlobReader(content, BlobCache(cache_size), inodes.path_of)
     prefetch = Prefetch(db, reader)
     invalidate = Invalidator(inodes)
-    files = Files(db, content, inodes, reader, prefetch, invalidate,
+    files = Files(db, content, inodes, reader, prefetch, invalidate, nursery,
                   staging_memory=staging_memory, journal_fsync=journal_fsync)
     manifests = Manifests(db, content, inodes, files, reader, invalidate)
     # The attached engines, told of what the kernel may keep of engines/.
@@ -381,6 +413,7 @@ def build(db: Database, content: ContentStore, *, nursery: trio.Nursery, cache_s
     }
     engines = None
     if registry is not None:
+        assert nursery is not None, "engines/ runs work in the daemon's nursery"
         store = LiveStore(
             # A page named by its blob in a session being copied in: its bytes, when
             # something reads or changes them before the engine takes the session.

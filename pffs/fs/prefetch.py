@@ -18,7 +18,8 @@ import outcome
 from pffs import manifest as mf
 from pffs import namespace as ns
 from pffs.fs.blobcache import BlobReader
-from pffs.fs.db import Database, WorkerPool
+from pffs.fs.db import Database
+from pffs.fs.workers import WorkerPool
 
 PREFETCH_PAGES = 16  # files fetched ahead of a sequential reader: refilled half at a time
 ALONE_FROM = 512 << 10  # blobs of this many bytes and more are fetched one a job (see Prefetch)
@@ -36,7 +37,8 @@ class PageWindow:
     gen: int
     first: int                                   # page indexes [first, end) asked for
     end: int
-    pages: dict[int, tuple[list[str], list[int]]]  # page index -> (blobs, raw sizes)
+    # page index -> (blobs, raw sizes; None where a blob's row is gone)
+    pages: dict[int, tuple[list[str], list[int | None]]]
     files: dict[int, tuple[int, list[str]]]      # inode -> (size, blobs)
 
 
@@ -55,7 +57,7 @@ class FileWindow:
     gen: int
     first: int                                   # listing positions [first, end) asked for
     end: int
-    files: dict[int, tuple[int, list[str], list[int]]]  # inode -> (size, blobs, raw sizes)
+    files: dict[int, tuple[int, list[str], list[int | None]]]  # inode -> (size, blobs, raw sizes)
 
 
 class Prefetch:
@@ -112,8 +114,7 @@ class Prefetch:
         """
         row = self.where.get(ino)
         if row is None:
-            row = self.db.ro.execute("SELECT parent, name FROM dentries WHERE inode=? LIMIT 1",
-                                     (ino,)).fetchone()
+            row = ns.first_entry(self.db.ro, ino)
             if row is None:
                 return
         parent = row[0]
@@ -225,11 +226,7 @@ class Prefetch:
         w = FileWindow(gen, first, end, {})
         if not inos:
             return w
-        for ino, size, blob, raw in self.db.ro.execute(
-                "SELECT i.id, i.size, b.blob, bl.raw_size FROM inodes i"
-                " LEFT JOIN blocks b ON b.inode = i.id LEFT JOIN blobs bl ON bl.digest = b.blob"
-                f" WHERE i.id IN ({','.join('?' * len(inos))}) AND (i.mode & 61440) = 32768"
-                " ORDER BY i.id, b.blockno", inos):
+        for ino, size, blob, raw in ns.files_content(self.db.ro, inos):
             f = w.files.get(ino)
             if f is None:
                 f = w.files[ino] = (size, [], [])
@@ -269,12 +266,7 @@ class Prefetch:
         end = max(end, first + PREFETCH_WINDOW)
         names = [mf.page_name(i).encode() for i in range(first, end)]
         w = PageWindow(gen, first, end, {}, {})
-        for name, ino, size, blob, raw in self.db.ro.execute(
-                "SELECT e.name, i.id, i.size, b.blob, bl.raw_size FROM dentries e"
-                " JOIN inodes i ON i.id = e.inode LEFT JOIN blocks b ON b.inode = i.id"
-                " LEFT JOIN blobs bl ON bl.digest = b.blob"
-                f" WHERE e.parent=? AND e.name IN ({','.join('?' * len(names))})"
-                " AND (i.mode & 61440) = 32768 ORDER BY e.name, b.blockno", (parent, *names)):
+        for name, ino, size, blob, raw in ns.named_files_content(self.db.ro, parent, names):
             ix = mf.parse_page_name(name)
             if ix is None:
                 continue        # (never: each name asked for is a page's)
@@ -302,5 +294,4 @@ class Prefetch:
                 g = fw.files.get(ino)
                 if g is not None:
                     return g[0], g[1]
-        size = self.db.ro.execute("SELECT size FROM inodes WHERE id=?", (ino,)).fetchone()[0]
-        return size, ns.blocks_of(self.db.ro, ino)
+        return ns.size_of(self.db.ro, ino), ns.blocks_of(self.db.ro, ino)

@@ -11,9 +11,23 @@ one of them by the numbers below, and no tree looks at another's numbers.
 from __future__ import annotations
 
 import errno
+from collections.abc import Sequence
 
 import pyfuse3
-from pyfuse3 import FUSEError
+from pyfuse3 import (
+    EntryAttributes,
+    FileHandleT,
+    FileInfo,
+    FileNameT,
+    FlagT,
+    FUSEError,
+    InodeT,
+    ModeT,
+    ReaddirToken,
+    RequestContext,
+    SetattrFields,
+    XAttrNameT,
+)
 
 from pffs.names import CONTROL_DIR_B, ENGINES_DIR_B
 from pffs.namespace import BlobRow
@@ -67,100 +81,107 @@ class Tree:
     change, no extended attributes.
     """
 
-    async def lookup(self, parent, name, ctx) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent: InodeT, name: FileNameT, ctx: RequestContext | None) -> EntryAttributes:
         raise FUSEError(errno.ENOENT)
 
-    def forget(self, inode: int, n: int) -> None:
+    async def forget(self, inode: InodeT, n: int) -> None:
         """The kernel dropped *n* lookups of *inode* (never raises)."""
 
-    async def getattr(self, inode, ctx) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: InodeT, ctx: RequestContext | None) -> EntryAttributes:
         raise FUSEError(errno.ENOENT)
 
-    async def setattr(self, inode, attr, fields, fh, ctx) -> pyfuse3.EntryAttributes:
+    async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
+                      fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errno.EPERM)
 
-    async def readlink(self, inode, ctx) -> bytes:
+    async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         raise FUSEError(errno.EINVAL)
 
-    async def mkdir(self, parent, name, mode, ctx) -> pyfuse3.EntryAttributes:
+    async def mkdir(self, parent: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errno.EPERM)
 
     # (A node or symlink in a made-up folder: there is one of that name already.)
-    async def mknod(self, parent, name, mode, rdev, ctx) -> pyfuse3.EntryAttributes:
+    async def mknod(self, parent: InodeT, name: FileNameT, mode: ModeT, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errno.EEXIST)
 
-    async def symlink(self, parent, name, target, ctx) -> pyfuse3.EntryAttributes:
+    async def symlink(self, parent: InodeT, name: FileNameT, target: FileNameT,
+                      ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errno.EEXIST)
 
-    async def create(self, parent, name, mode, flags, ctx):
+    async def create(self, parent: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         raise FUSEError(errno.EPERM)
 
-    async def unlink(self, parent, name, ctx) -> None:
+    async def unlink(self, parent: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         raise FUSEError(errno.EPERM)
 
-    async def rmdir(self, parent, name, ctx) -> None:
+    async def rmdir(self, parent: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         raise FUSEError(errno.EPERM)
 
-    async def rename(self, p_old, n_old, p_new, n_new, flags, ctx) -> None:
+    async def rename(self, p_old: InodeT, n_old: FileNameT, p_new: InodeT, n_new: FileNameT, flags: FlagT,
+                     ctx: RequestContext) -> None:
         raise FUSEError(errno.EPERM)
 
-    async def link(self, inode, new_parent, new_name, ctx) -> pyfuse3.EntryAttributes:
+    async def link(self, inode: InodeT, new_parent: InodeT, new_name: FileNameT,
+                   ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errno.EPERM)
 
-    async def open(self, inode, flags, ctx) -> pyfuse3.FileInfo:
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         raise FUSEError(errno.EACCES)
 
-    async def read(self, fh, off, size) -> bytes | memoryview:
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes | memoryview:
         raise FUSEError(errno.EBADF)
 
-    async def write(self, fh, off, buf) -> int:
+    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         raise FUSEError(errno.EBADF)
 
-    async def flush(self, fh) -> None:
+    async def flush(self, fh: FileHandleT) -> None:
         pass
 
-    async def copy_file_range(self, fh_in, off_in, fh_out, off_out, length, flags) -> int:
+    async def copy_file_range(self, fh_in: FileHandleT, off_in: int, fh_out: FileHandleT, off_out: int,
+                              length: int, flags: FlagT) -> int:
         """(EOPNOTSUPP: the kernel copies the bytes itself, through read and write.)"""
         raise FUSEError(errno.EOPNOTSUPP)
 
-    async def whole_blob(self, fh) -> tuple[str, int, BlobRow | None] | None:
+    async def whole_blob(self, fh: FileHandleT) -> tuple[str, int, BlobRow | None] | None:
         """(digest, size, its row if the namespace may lack one) of the one stored
         blob that file handle *fh*'s file is, whole, or None: a copy into another
         tree may then name the blob."""
         return None
 
-    async def take_blob(self, fh, digest: str, size: int, row: BlobRow | None) -> bool:
+    async def take_blob(self, fh: FileHandleT, digest: str, size: int, row: BlobRow | None) -> bool:
         """Make the empty file open as *fh* hold blob *digest* (*size* bytes)
         without moving a byte; False where it cannot (then the bytes are copied)."""
         return False
 
-    async def fsync(self, fh, datasync) -> None:
+    async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         pass
 
-    async def release(self, fh) -> None:
+    async def release(self, fh: FileHandleT) -> None:
         pass
 
-    async def opendir(self, inode, ctx) -> int:
+    async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         return inode
 
-    async def readdir(self, fh, start_id, token) -> bool:
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> bool:
         """List folder handle *fh* from cookie *start_id*: whether every entry fit."""
         raise FUSEError(errno.ENOTDIR)
 
-    def readdir_root(self, start_id, token) -> None:
+    def readdir_root(self, start_id: int, token: ReaddirToken) -> None:
         """A grafted tree's entry in the root's listing (after the namespace's)."""
 
-    async def releasedir(self, fh) -> None:
+    async def releasedir(self, fh: FileHandleT) -> None:
         pass
 
-    async def setxattr(self, inode, name, value, ctx) -> None:
+    async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
         raise FUSEError(errno.EPERM)
 
-    async def getxattr(self, inode, name, ctx) -> bytes:
+    async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
         raise FUSEError(pyfuse3.ENOATTR)
 
-    async def listxattr(self, inode, ctx) -> list[bytes]:
+    async def listxattr(self, inode: InodeT, ctx: RequestContext) -> Sequence[XAttrNameT]:
         return []
 
-    async def removexattr(self, inode, name, ctx) -> None:
+    async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
         raise FUSEError(errno.EPERM)

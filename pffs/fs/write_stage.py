@@ -58,7 +58,8 @@ class MemoryBudget:
 
 
 class Staging:
-    def __init__(self, budget: MemoryBudget, spill_dir: str, initial: bytes | memoryview = b""):
+    def __init__(self, budget: MemoryBudget, spill_dir: str, initial: bytes | memoryview = b"", *,
+                 fetch: Callable[[Digest], bytes | memoryview] | None = None):
         self.budget = budget
         self.spill_dir = spill_dir
         self.buf: bytearray | None = bytearray(initial)
@@ -79,7 +80,7 @@ class Staging:
         # A block is read in (:meth:`fill`) before anything changes it, so an
         # edit of a large file costs the blocks it touches.
         self.unloaded: set[int] = set()
-        self.fetch: Callable[[Digest], bytes | memoryview] | None = None
+        self.fetch = fetch
         # Write-behind (Files._write_behind): full blocks stored while the
         # file is still being written.  Blocks whose job is running; of those,
         # the ones written to since it began (its result is then dropped); the

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 from pffs import namespace as ns
-from pffs.daemon.reserve import SpaceReserve
 from pffs.errors import PffsError, StoreFull
 from pffs.store.local import _TMP_PREFIX, LocalBlobStore
+from pffs.store.reserve import SpaceReserve
 from pffs.store.storedir import StoreBusy, StoreDir
 from pffs.types import Digest, is_digest
 
@@ -106,7 +106,7 @@ def _open(store: StoreDir) -> tuple[LocalBlobStore, bool, sqlite3.Connection]:
     if not store.exists():
         raise PffsError(f"{store.root}: no pffs store here")
     blobs = store.blobs
-    if not isinstance(blobs, LocalBlobStore):
+    if blobs.remote:
         raise PffsError(f"{store.root}: gc works on a local store only (this one keeps its blobs elsewhere)")
     try:
         store.lock("pffs gc")

@@ -41,7 +41,6 @@ from pffs.errors import IntegrityError, PffsError
 from pffs.maint import check as fsck
 from pffs.maint.snapshots import list_snapshots
 from pffs.names import LOST_XATTR_B as LOST_XATTR
-from pffs.store.local import LocalBlobStore
 from pffs.store.storedir import StoreDir
 from pffs.types import Digest
 
@@ -205,7 +204,7 @@ def _insert_row(conn: sqlite3.Connection, row: ns.BlobRow) -> None:
 def repair(store: StoreDir, *, read_data: bool = False, say: Callable[[str], None] | None = None,
            progress: Callable[[int, int], None] | None = None) -> RepairResult:
     """Repair an unmounted store whose lock the caller holds; the result holds a fresh check."""
-    if not isinstance(store.blobs, LocalBlobStore):
+    if store.blobs.remote:
         raise PffsError(f"{store.root}: repair works on a local store only"
                         " (this one keeps its blobs elsewhere)")
     result = RepairResult()

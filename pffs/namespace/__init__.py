@@ -16,7 +16,7 @@ The package's modules, each with one reason to change:
   DB_NAME, ROOT_INODE, BLOCK_SIZE, MAX_FILE_SIZE, EMPTY_DIGEST), SchemaError
   and DamagedDatabase, connect/create/open_db, transaction, is_disk_full,
   and the migrations (MIGRATIONS, migrate).
-- :mod:`.tree`: the rows and their changes: Inode, FsError, get_inode,
+- :mod:`.rows`: the rows and their changes: Inode, FsError, get_inode,
   lookup, make_inode, unlink, rmdir, rename, link, set_attrs, BlobRow,
   set_content, blocks_of, names_of, path_of, read_file, cleanup_orphans...
 - :mod:`.pagelists`: manifests' page lists and what holds them: manifest
@@ -25,15 +25,34 @@ The package's modules, each with one reason to change:
   unfold).  It calls nothing of the tree's; the tree calls it.
 - :mod:`.forks`: metadata-only forks (fork_pages), on top of the two above.
 - :mod:`.figures`: Stats, stats and iter_referenced_blobs (the gc roots).
+- :mod:`.queries`: the mounted daemon's reads (listings, counts, what
+  prefetch reads ahead, page_verdict) and KnownBlobs, asked from any thread.
+- :mod:`.changes`: the mounted daemon's changes that its writer and commit
+  threads run, each one named function (commit_file, rename_with_manifest,
+  fork_manifest, delete_unlinked...).
 
-Imports go one way: schema <- pagelists <- tree <- forks; figures needs
-only the tables.  Every public name is re-exported here (``__all__``), so
+Imports go one way: schema <- pagelists <- tree <- forks <- changes, and
+queries on top of the tree; figures needs only the tables.  Every public name is re-exported here (``__all__``), so
 ``from pffs import namespace as ns; ns.X`` and ``from pffs.namespace import X``
 work as they did when this was one module.
 """
 
 from __future__ import annotations
 
+from pffs.namespace.changes import (
+    AcceptedManifest,
+    CheckedManifest,
+    LateManifest,
+    StoredContent,
+    commit_file,
+    delete_unlinked,
+    fork_manifest,
+    give_blob,
+    link_with_manifest,
+    rename_with_manifest,
+    share_content,
+    take_manifest_name,
+)
 from pffs.namespace.figures import Stats, iter_referenced_blobs, stats
 from pffs.namespace.forks import fork_pages
 from pffs.namespace.pagelists import (
@@ -44,6 +63,21 @@ from pffs.namespace.pagelists import (
     recorded_count,
     recorded_pages,
     unfold,
+)
+from pffs.namespace.queries import (
+    VERDICT_MAX,
+    KnownBlobs,
+    entry_count,
+    files_content,
+    first_entry,
+    inode_count,
+    lookup_or_folded,
+    named_files_content,
+    nlink_of,
+    page_verdict,
+    readdir,
+    size_of,
+    stored_bytes,
 )
 from pffs.namespace.rows import (
     INODE_COLS,
@@ -65,18 +99,23 @@ from pffs.namespace.rows import (
     drop_link,
     files_holding,
     get_inode,
+    get_xattr,
+    has_blob,
     insert_blob_rows,
     known_blobs,
     link,
+    list_xattrs,
     lookup,
     make_inode,
     names_of,
     path_of,
     read_file,
+    remove_xattr,
     rename,
     rmdir,
     set_attrs,
     set_content,
+    set_xattr,
     touch_dir,
     unlink,
 )
@@ -94,13 +133,17 @@ from pffs.namespace.schema import (
     SCHEMA_VERSION,
     DamagedDatabase,
     SchemaError,
+    checkpoint,
     connect,
     create,
+    data_version,
     is_disk_full,
     migrate,
+    no_autocheckpoint,
     now_ns,
     open_db,
     schema_version,
+    set_busy_timeout,
     transaction,
 )
 
@@ -123,49 +166,83 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "S_IFMT",
+    "VERDICT_MAX",
+    "AcceptedManifest",
     "BlobRow",
+    "CheckedManifest",
     "DamagedDatabase",
     "FsError",
     "Inode",
+    "KnownBlobs",
+    "LateManifest",
     "SchemaError",
     "Stats",
+    "StoredContent",
     "blocks_of",
     "check_name",
+    "checkpoint",
     "cleanup_orphans",
+    "commit_file",
     "connect",
     "create",
+    "data_version",
     "delete_inode",
+    "delete_unlinked",
     "deletes_little",
     "drop_blocks",
     "drop_link",
+    "entry_count",
+    "files_content",
     "files_holding",
+    "first_entry",
     "forget_manifest",
+    "fork_manifest",
     "fork_pages",
     "get_inode",
+    "get_xattr",
+    "give_blob",
+    "has_blob",
+    "inode_count",
     "insert_blob_rows",
     "is_disk_full",
     "is_folded",
     "iter_referenced_blobs",
     "known_blobs",
     "link",
+    "link_with_manifest",
+    "list_xattrs",
     "lookup",
+    "lookup_or_folded",
     "make_inode",
     "migrate",
+    "named_files_content",
     "names_of",
+    "nlink_of",
+    "no_autocheckpoint",
     "now_ns",
     "open_db",
+    "page_verdict",
     "path_of",
     "read_file",
+    "readdir",
     "record_known_manifest",
     "record_manifest",
     "recorded_count",
     "recorded_pages",
+    "remove_xattr",
     "rename",
+    "rename_with_manifest",
     "rmdir",
     "schema_version",
     "set_attrs",
+    "set_busy_timeout",
     "set_content",
+    "set_xattr",
+    "share_content",
+    "size_of",
     "stats",
+    "stored_bytes",
+    "take_manifest_name",
     "touch_dir",
     "transaction",
     "unfold",

@@ -285,13 +285,39 @@ def link(conn: sqlite3.Connection, ino: int, new_parent: int, new_name: bytes) -
 _SETTABLE = ("mode", "uid", "gid", "atime_ns", "mtime_ns", "ctime_ns")
 
 
-def set_attrs(conn: sqlite3.Connection, ino: int, **fields) -> Inode:
+def set_attrs(conn: sqlite3.Connection, ino: int, /, **fields: int) -> Inode:
     """Update plain attributes (not size: content changes go through set_content)."""
     cols = [k for k in fields if k in _SETTABLE]
     if cols:
         conn.execute(f"UPDATE inodes SET {', '.join(c + '=?' for c in cols)} WHERE id=?",
                      [fields[c] for c in cols] + [ino])
     return get_inode(conn, ino)
+
+
+def set_xattr(conn: sqlite3.Connection, ino: int, name: bytes, value: bytes, t: int) -> None:
+    """Extended attribute *name* of *ino* set to *value* (its ctime to *t*)."""
+    get_inode(conn, ino)
+    conn.execute("INSERT OR REPLACE INTO xattrs (inode, name, value) VALUES (?,?,?)", (ino, name, value))
+    conn.execute("UPDATE inodes SET ctime_ns=? WHERE id=?", (t, ino))
+
+
+def remove_xattr(conn: sqlite3.Connection, ino: int, name: bytes, t: int) -> None:
+    """Extended attribute *name* of *ino* removed (ENODATA if it had none; its ctime to *t*)."""
+    cur = conn.execute("DELETE FROM xattrs WHERE inode=? AND name=?", (ino, name))
+    if cur.rowcount == 0:
+        raise FsError(_errno.ENODATA)
+    conn.execute("UPDATE inodes SET ctime_ns=? WHERE id=?", (t, ino))
+
+
+def get_xattr(conn: sqlite3.Connection, ino: int, name: bytes) -> bytes | None:
+    """The value of extended attribute *name* of *ino*, or None."""
+    row = conn.execute("SELECT value FROM xattrs WHERE inode=? AND name=?", (ino, name)).fetchone()
+    return None if row is None else row[0]
+
+
+def list_xattrs(conn: sqlite3.Connection, ino: int) -> list[bytes]:
+    """The names of the extended attributes of *ino*."""
+    return [r[0] for r in conn.execute("SELECT name FROM xattrs WHERE inode=?", (ino,))]
 
 
 @dataclass
@@ -302,10 +328,11 @@ class BlobRow:
     codec: str
 
 
-def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str,
+def set_content(conn: sqlite3.Connection, ino: int, size: int, digest: str | None,
                 blocks: list[str], new_blobs: list[BlobRow], mtime_ns: int | None,
                 ctime_ns: int | None = None, *, was_empty: bool = False) -> None:
-    """Point a file at new content: its blocks' blobs (already stored and synced).
+    """Point a file at new content: its blocks' blobs (already stored and synced);
+    *digest*, the sha256 of its bytes, None for a file of several blocks.
 
     *was_empty*: the caller knows the file had no content (no blocks, so no
     manifest either), as after a create; two statements are then saved.
@@ -364,6 +391,11 @@ def known_blobs(conn: sqlite3.Connection, digests: Iterable[str]) -> dict[str, i
         out.update(conn.execute(f"SELECT digest, raw_size FROM blobs WHERE digest IN"
                                 f" ({','.join('?' * len(chunk))})", chunk))
     return out
+
+
+def has_blob(conn: sqlite3.Connection, digest: str) -> bool:
+    """Whether the namespace has a row for blob *digest*."""
+    return conn.execute("SELECT 1 FROM blobs WHERE digest=?", (digest,)).fetchone() is not None
 
 
 def names_of(conn: sqlite3.Connection, ino: int) -> list[tuple[int, bytes]]:

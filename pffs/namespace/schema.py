@@ -206,6 +206,31 @@ def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Conne
     return conn
 
 
+def set_busy_timeout(conn: sqlite3.Connection, ms: int) -> None:
+    """How long *conn*'s statements wait for another connection's lock (0: never)."""
+    conn.execute(f"PRAGMA busy_timeout = {int(ms)}")
+
+
+def no_autocheckpoint(conn: sqlite3.Connection) -> None:
+    """No checkpoint by a commit that crosses the WAL's threshold: the caller
+    checkpoints (``checkpoint``) where it chooses."""
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+
+
+def checkpoint(conn: sqlite3.Connection, mode: str = "PASSIVE") -> None:
+    """Copy the WAL's commits into the database file (*mode*: PASSIVE, FULL,
+    RESTART or TRUNCATE, SQLite's)."""
+    if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
+        raise ValueError(f"no checkpoint mode {mode!r}")
+    conn.execute(f"PRAGMA wal_checkpoint({mode})")
+
+
+def data_version(conn: sqlite3.Connection) -> int:
+    """A number that changes whenever another connection, of this process or
+    another, has committed since *conn* last looked (O(1))."""
+    return conn.execute("PRAGMA data_version").fetchone()[0]
+
+
 def create(conn: sqlite3.Connection, uid: int | None = None, gid: int | None = None) -> None:
     """Create the tables and the root directory in an empty database."""
     t = now_ns()

@@ -4,22 +4,38 @@ store, implemented by ``pffs.store.local.LocalBlobStore`` (a folder) and
 
 What a store can do beyond it is declared, never guessed from its class:
 ``remote`` says a get may wait on a network (prefetch then asks for one blob
-a job, and forks adopt pages from the bucket).
+a job, and forks adopt pages from the bucket); a store whose ``remote`` is
+False is a folder of blob files on this host (a client beside the mount may
+put frames there itself, and gc and repair work on it).  Each store declares
+it as a ``Literal``, so that a check of it tells the type checker which
+store it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from pffs import codec as codec_mod
-from pffs.store.local import PutResult
 from pffs.types import Digest
 
 
-class PutBatch(Protocol):
-    """Blobs written but not yet durable: ``sync`` makes them so, in groups."""
+@dataclass(frozen=True)
+class PutResult:
+    """What a put did: the blob's name, its raw and stored sizes, the codec it is
+    stored with ("" where the store held it already) and whether it did."""
+    digest: Digest
+    raw_size: int
+    stored_size: int
+    codec: str
+    existed: bool
+
+
+class BlobBatch(Protocol):
+    """Puts whose durability is deferred: ``sync`` makes them durable, in
+    groups (each store makes its own: ``BlobStore.batch``)."""
 
     def __len__(self) -> int: ...
 
@@ -27,8 +43,11 @@ class PutBatch(Protocol):
 
 
 class BlobStore(Protocol):
-    #: A get may wait on a network (an S3 bucket); False for a local folder.
-    remote: bool
+    @property
+    def remote(self) -> bool:
+        """A get may wait on a network (an S3 bucket); False for a local folder."""
+        ...
+
     #: The folder the store's local files live in (statfs reports its disk).
     root: Path
     #: The codec new blobs are written with.
@@ -38,9 +57,9 @@ class BlobStore(Protocol):
 
     def stored_size(self, digest: Digest) -> int: ...
 
-    def batch(self) -> Any: ...
+    def batch(self) -> BlobBatch: ...
 
-    def put(self, data, digest: Digest | None = None, *, batch: Any = None,
+    def put(self, data, digest: Digest | None = None, *, batch: BlobBatch | None = None,
             codec: codec_mod.Codec | None = None, frame: Any = None) -> PutResult: ...
 
     def get(self, digest: Digest, *, verify: bool = True,

@@ -23,16 +23,16 @@ import errno
 import os
 import secrets
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Literal
 
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, CorruptBlob, MissingBlob, StoreFull
+from pffs.store.base import BlobBatch, PutResult
 from pffs.types import Digest, digest_bytes, digest_hex, digest_of, is_digest
 
 if TYPE_CHECKING:
-    from pffs.daemon.reserve import SpaceReserve
+    from pffs.store.reserve import SpaceReserve
 
 BLOB_DIR = "blobs"
 _TMP_PREFIX = ".tmp-"
@@ -51,15 +51,6 @@ def _load_syncfs():
 
 
 _syncfs = _load_syncfs()
-
-
-@dataclass(frozen=True)
-class PutResult:
-    digest: Digest
-    raw_size: int
-    stored_size: int
-    codec: str
-    existed: bool
 
 
 def _fsync_dir(path: str | os.PathLike) -> None:
@@ -117,18 +108,18 @@ def sealed(frame, digest: Digest) -> bytes:
 class LocalBlobStore:
     """Blobs under ``root/blobs``; safe to share between threads and processes."""
 
-    remote = False      # (pffs.store.base.BlobStore)
+    remote: ClassVar[Literal[False]] = False      # (pffs.store.base.BlobStore)
 
     def __init__(self, root: str | os.PathLike, codec: str = codec_mod.DEFAULT_CODEC,
-                 max_raw: int = codec_mod.MAX_RAW):
+                 max_raw: int = codec_mod.MAX_RAW, *, reserve: SpaceReserve | None = None):
         self.root = Path(root)
         self.blob_root = self.root / BLOB_DIR
         self._blob_root_s = str(self.blob_root)
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
-        # Set by a mounted daemon: space kept back so deletions can commit
-        # on a full disk (see pffs.daemon.reserve); puts refuse to eat into it.
-        self.reserve: SpaceReserve | None = None
+        # A mounted daemon's: space kept back so deletions can commit on a
+        # full disk (see pffs.store.reserve); puts refuse to eat into it.
+        self.reserve = reserve
 
     def create_dirs(self) -> None:
         """Create the 256 fan-out directories once, so puts never mkdir."""
@@ -165,7 +156,7 @@ class LocalBlobStore:
 
     # -- writing ---------------------------------------------------------
 
-    def put(self, data, digest: Digest | None = None, *, batch: "PutBatch | None" = None,
+    def put(self, data, digest: Digest | None = None, *, batch: BlobBatch | None = None,
             codec: codec_mod.Codec | None = None, frame=None) -> PutResult:
         """Store *data* under its digest (computed if not given).
 
@@ -174,19 +165,20 @@ class LocalBlobStore:
         returns it (a caller that compressed while it hashed); it is used
         only if the blob is new.
 
-        Without *batch* the blob is durable when this returns; with one, it
-        is durable once ``batch.sync()`` returns.  An existing blob is kept
-        (and still synced by the batch, since another writer may not have
-        synced it yet).
+        Without a *batch* of this store's (``batch()``) the blob is durable
+        when this returns; with one, it is durable once ``batch.sync()``
+        returns.  An existing blob is kept (and still synced by the batch,
+        since another writer may not have synced it yet).
         """
+        pending = batch if isinstance(batch, PutBatch) else None
         if digest is None:
             digest = digest_of(data)
         folder, path = self._where(digest)
         raw_size = memoryview(data).nbytes
         size = self._reuse(path, digest, raw_size)
         if size is not None:
-            if batch is not None:
-                batch._add(path)
+            if pending is not None:
+                pending._add(path)
             return PutResult(digest, raw_size, size, "", True)
         if frame is None:
             frame = codec_mod.encode(data, codec or self.codec, name=digest_bytes(digest))
@@ -203,7 +195,7 @@ class LocalBlobStore:
                 view = memoryview(frame)
                 while view:
                     view = view[os.write(fd, view):]
-                if batch is None:
+                if pending is None:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -216,10 +208,10 @@ class LocalBlobStore:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFull(f"no space left for blob {digest}") from e
             raise
-        if batch is None:
+        if pending is None:
             _fsync_dir(folder)
         else:
-            batch._add(path)
+            pending._add(path)
         return PutResult(digest, raw_size, len(frame), codec_name, False)
 
     def _reuse(self, path: str, digest: Digest, raw_size: int) -> int | None:
@@ -252,7 +244,7 @@ class LocalBlobStore:
             return None
         return size
 
-    def batch(self) -> "PutBatch":
+    def batch(self) -> PutBatch:
         return PutBatch()
 
     def delete(self, digest: Digest) -> bool:

@@ -32,13 +32,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Literal
 
 from pffs import codec as codec_mod
 from pffs.errors import CodecError, CorruptBlob, MissingBlob, PffsError, StoreFull, StoreUnavailable
 from pffs.namespace import BlobRow
+from pffs.store.base import BlobBatch, PutResult
 from pffs.store.framecache import FrameCache, PeekCache
-from pffs.store.local import PutResult, decode_verified, decode_verified_view, sealed
+from pffs.store.local import decode_verified, decode_verified_view, sealed
 from pffs.store.s3client import DOWN_HOLD, S3Requests, _status
 from pffs.store.s3config import (
     _PERSISTED,
@@ -59,7 +60,7 @@ from pffs.store.s3config import (
 from pffs.types import Digest, digest_bytes, digest_hex, digest_of, is_digest
 
 if TYPE_CHECKING:
-    from pffs.daemon.reserve import SpaceReserve
+    from pffs.store.reserve import SpaceReserve
 
 __all__ = ["SCHEME", "CONFIG_NAME", "BLOBS", "TRASH", "MANIFESTS", "MOUNTS", "OPTIONS", "DOWN_HOLD",
            "url_of", "parse_url", "is_remote", "default_cache_dir", "read_config", "bind",
@@ -131,22 +132,23 @@ class ObjectInfo:
 class S3BlobStore(S3Requests):
     """Blobs in ``s3://bucket/prefix/blobs``, with a local frame cache; thread-safe."""
 
-    remote = True       # (pffs.store.base.BlobStore)
+    remote: ClassVar[Literal[True]] = True       # (pffs.store.base.BlobStore)
 
     def __init__(self, root: str | os.PathLike, url: str, *, options: dict | None = None,
                  codec: str = codec_mod.DEFAULT_CODEC, max_raw: int = codec_mod.MAX_RAW,
-                 cache: "FrameCache | PeekCache | None" = None):
+                 cache: "FrameCache | PeekCache | None" = None, reserve: SpaceReserve | None = None,
+                 likely_stored: Callable[[str], bool] | None = None):
         opts = options or {}
         self.root = Path(root)
         self.url = url
         self.bucket, self.prefix = parse_url(url)
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
-        # Set by a mounted daemon; the cache never eats into it.
-        self.reserve: SpaceReserve | None = None
-        # Set by a mount: whether its namespace knows the digest (then a HEAD
+        # A mounted daemon's (pffs.store.reserve); the cache never eats into it.
+        self.reserve = reserve
+        # A mount's: whether its namespace knows the digest (then a HEAD
         # before the upload is worth it, however small the blob).
-        self.likely_stored: Callable[[str], bool] | None = None
+        self.likely_stored = likely_stored
         # A mount's own LRU cache of frames, or (a client beside a mount) a
         # read-only look into the mount's.
         self.cache: FrameCache | PeekCache = cache if cache is not None else FrameCache(self.root, DEFAULT_CACHE)
@@ -304,7 +306,7 @@ class S3BlobStore(S3Requests):
     def batch(self) -> "S3PutBatch":
         return S3PutBatch()
 
-    def put(self, data, digest: Digest | None = None, *, batch=None,
+    def put(self, data, digest: Digest | None = None, *, batch: BlobBatch | None = None,
             codec: codec_mod.Codec | None = None, frame=None) -> PutResult:
         """Store *data* under its digest unless the bucket has it.
 

@@ -10,7 +10,7 @@ Layout (``--store DIR``, else ``$PFFS_STORE``, else ``~/.local/share/pffs``)::
     DIR/lock                     flock held by the daemon (and by check/repair, offline gc)
     DIR/gc.lock, DIR/gc.intent   flocks that order gc against writers reusing blobs
     DIR/pins/                    blobs a writer outside the daemon relies on until its commit
-    DIR/reserve                  space kept back for deletions on a full disk (pffs.daemon.reserve)
+    DIR/reserve                  space kept back for deletions on a full disk (pffs.store.reserve)
     DIR/damaged/                 corrupt blobs set aside by ``pffs check --repair``
     DIR/engine.sock              live-engine socket while mounted
 """
@@ -29,7 +29,9 @@ from typing import Iterator
 from pffs import codec as codec_mod
 from pffs.errors import PffsError
 from pffs.names import SOCKET_NAME
+from pffs.namespace import KnownBlobs
 from pffs.store.local import LocalBlobStore
+from pffs.store.reserve import SpaceReserve
 
 LOCK_NAME = "lock"
 LOG_NAME = "pffs.log"
@@ -55,8 +57,17 @@ def default_store_dir() -> Path:
 
 
 class StoreDir:
+    """A store's folder and the blob store it opens.
+
+    A mounting daemon's (*reserve*, *mounted*): it keeps *reserve* bytes back
+    on the store's disk (``reserve``, pffs.store.reserve), which puts do not
+    eat into (unless 0); and an S3 store asks the namespace whether it has a
+    blob's row before a small upload (a HEAD may then spare it).
+    """
+
     def __init__(self, root: str | os.PathLike | None = None, codec: str | None = None, *,
-                 cache: str | os.PathLike | None = None, remote: dict | None = None):
+                 cache: str | os.PathLike | None = None, remote: dict | None = None,
+                 reserve: int | None = None, mounted: bool = False):
         # An s3:// URL keeps blobs in a bucket and everything else in a local
         # cache folder (--cache, else one per URL); a folder bound to a URL
         # (its remote.json) opens that bucket again (pffs.store.s3).
@@ -67,9 +78,13 @@ class StoreDir:
         self.root = Path(root) if root is not None else default_store_dir()
         self.root = self.root.expanduser().absolute()
         codec = codec or codec_mod.DEFAULT_CODEC
-        self.blobs: s3.S3BlobStore | LocalBlobStore = (s3.open_remote(self.root, self.url, remote, codec=codec)
-                                                       or LocalBlobStore(self.root, codec))
-        if self.url is None and not isinstance(self.blobs, LocalBlobStore):
+        self.reserve = SpaceReserve(self.reserve_path, reserve) if reserve is not None else None
+        held = self.reserve if reserve else None
+        likely_stored = KnownBlobs(self.db_path) if mounted else None
+        self.blobs: s3.S3BlobStore | LocalBlobStore = (
+            s3.open_remote(self.root, self.url, remote, codec=codec, reserve=held, likely_stored=likely_stored)
+            or LocalBlobStore(self.root, codec, reserve=held))
+        if self.url is None and self.blobs.remote:
             self.url = self.blobs.url
         self._lock_fd: int | None = None
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pffs.errors import StoreFull
 
-log = logging.getLogger("pffs.daemon.reserve")
+log = logging.getLogger("pffs.daemon.reserve")  # the name these messages always had
 
 DEFAULT_SIZE = 16 << 20
 
