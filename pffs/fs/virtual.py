@@ -18,7 +18,17 @@ import os
 import stat
 
 import pyfuse3
-from pyfuse3 import FUSEError
+from pyfuse3 import (
+    EntryAttributes,
+    FileHandleT,
+    FileInfo,
+    FileNameT,
+    FlagT,
+    FUSEError,
+    InodeT,
+    ReaddirToken,
+    RequestContext,
+)
 
 from pffs import __version__
 from pffs import namespace as ns
@@ -27,7 +37,6 @@ from pffs.fs.db import Database
 from pffs.fs.files import NOFLUSH
 from pffs.fs.routing import ROOT, VIRT_BASE, Tree
 from pffs.names import SOCKET_NAME_B, STATS_NAME_B, STORE_INFO_NAME_B, VERSION_NAME_B
-from pffs.types import FileHandle, InodeNo
 
 PFFS_DIR = VIRT_BASE + 1
 STATS = VIRT_BASE + 2
@@ -53,13 +62,13 @@ class PffsTree(Tree):
         self.store_root = store_root
         self.socket_path = socket_path.encode()
         self.store_json = store_json         # (pffs.fs.adoption.store_info)
-        self.handles: dict[FileHandle, bytes] = {}
+        self.handles: dict[FileHandleT, bytes] = {}
         self._next_fh = FH_BASE
         self._t = ns.now_ns()
         self._stats: tuple[int, dict] | None = None   # (db data_version, namespace figures)
 
-    def _attr(self, ino: int, mode: int, size: int, nlink: int = 1) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
+    def _attr(self, ino: int, mode: int, size: int, nlink: int = 1) -> EntryAttributes:
+        a = EntryAttributes()
         a.st_ino = ino
         a.st_mode = mode
         a.st_nlink = nlink
@@ -103,7 +112,7 @@ class PffsTree(Tree):
                     f"store {self.store_root}\n").encode()
         raise FUSEError(errno.ENOENT)
 
-    def _getattr(self, ino: int) -> pyfuse3.EntryAttributes:
+    def _getattr(self, ino: int) -> EntryAttributes:
         if ino == PFFS_DIR:
             return self._attr(ino, stat.S_IFDIR | 0o555, 0, 2)
         if ino == SOCK:
@@ -112,8 +121,7 @@ class PffsTree(Tree):
             return self._attr(ino, stat.S_IFREG | 0o444, len(self._content(ino)))
         raise FUSEError(errno.ENOENT)
 
-    async def lookup(self, parent: InodeNo, name: bytes, ctx: pyfuse3.RequestContext
-                     ) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent: InodeT, name: FileNameT, ctx: RequestContext | None) -> EntryAttributes:
         if parent == ROOT and name == b".pffs":
             return self._getattr(PFFS_DIR)
         if parent == PFFS_DIR:
@@ -122,33 +130,33 @@ class PffsTree(Tree):
                 return self._getattr(ino)
         raise FUSEError(errno.ENOENT)
 
-    async def getattr(self, inode: InodeNo, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def getattr(self, inode: InodeT, ctx: RequestContext | None) -> EntryAttributes:
         return self._getattr(inode)
 
-    async def readlink(self, inode: InodeNo, ctx: pyfuse3.RequestContext) -> bytes:
+    async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         if inode == SOCK:
             return self.socket_path
         raise FUSEError(errno.EINVAL)
 
-    async def open(self, inode: InodeNo, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         if inode == PFFS_DIR:
             raise FUSEError(errno.EISDIR)
         if (flags & os.O_ACCMODE) != os.O_RDONLY:
             raise FUSEError(errno.EACCES)
-        fh = FileHandle(self._next_fh)
+        fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = self._content(inode)
         if NOFLUSH:
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, noflush=True)
-        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+            return FileInfo(fh=fh, direct_io=True, keep_cache=False, noflush=True)
+        return FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
-    async def read(self, fh: FileHandle, off: int, size: int) -> bytes:
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         return self.handles[fh][off:off + size]
 
-    async def release(self, fh: FileHandle) -> None:
+    async def release(self, fh: FileHandleT) -> None:
         self.handles.pop(fh, None)
 
-    async def readdir(self, fh: FileHandle, start_id: int, token: pyfuse3.ReaddirToken) -> bool:
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> bool:
         if fh != PFFS_DIR:
             raise FUSEError(errno.ENOTDIR)
         entries = sorted(_FILES.items(), key=lambda kv: kv[1])

@@ -20,7 +20,20 @@ import time
 
 import pyfuse3
 import trio
-from pyfuse3 import FUSEError
+from pyfuse3 import (
+    EntryAttributes,
+    FileHandleT,
+    FileInfo,
+    FileNameT,
+    FlagT,
+    FUSEError,
+    InodeT,
+    ModeT,
+    ReaddirToken,
+    RequestContext,
+    SetattrFields,
+    XAttrNameT,
+)
 
 from pffs import manifest as mf
 from pffs.fs.files import NOFLUSH
@@ -48,7 +61,7 @@ from pffs.live.protocol import valid_name
 from pffs.names import LOAD_XATTR_B as LOAD_XATTR
 from pffs.names import SAVE_XATTR_B as SAVE_XATTR
 from pffs.namespace import ROOT_INODE, BlobRow
-from pffs.types import FileHandle, InodeNo, PageIndex
+from pffs.types import InodeNo, PageIndex
 
 log = logging.getLogger("pffs.live")
 
@@ -65,23 +78,22 @@ class EnginesTree(Tree):
         self.store = store
         # Paths of ``pffs fork`` checked as the namespace's (resolve_new, resolve_readable).
         self.manifests = manifests
-        self.handles: dict[FileHandle, Handle] = {}       # open files
-        self.dirs: dict[FileHandle, DirHandle] = {}       # open folders
+        self.handles: dict[FileHandleT, Handle] = {}      # open files
+        self.dirs: dict[FileHandleT, DirHandle] = {}      # open folders
         self._next_fh = FH_BASE
         self._next_dh = DH_BASE
 
     # -- names and attributes ----------------------------------------------------------
 
     @engine_errors
-    async def lookup(self, parent: InodeNo, name: bytes, ctx: pyfuse3.RequestContext
-                     ) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent: InodeT, name: FileNameT, ctx: RequestContext | None) -> EntryAttributes:
         if parent == ROOT_INODE:
             if name != ENGINES_NAME or not self.registry.engines:
                 raise FUSEError(errno.ENOENT)
             return self.attrs.engines()
         if not owns(parent):
             raise FUSEError(errno.ENOENT)
-        kind, obj, extra = self.attrs.resolve(parent)
+        kind, obj, extra = self.attrs.resolve(InodeNo(parent))
         if kind == "engines":
             eng = self.registry.engines.get(os.fsdecode(name))
             if eng is None:
@@ -120,8 +132,8 @@ class EnginesTree(Tree):
         raise FUSEError(errno.ENOTDIR)
 
     @engine_errors
-    async def getattr(self, inode: InodeNo, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        kind, obj, extra = self.attrs.resolve(inode)
+    async def getattr(self, inode: InodeT, ctx: RequestContext | None) -> EntryAttributes:
+        kind, obj, extra = self.attrs.resolve(InodeNo(inode))
         if kind == "engines":
             return self.attrs.engines()
         if kind == "engine":
@@ -144,9 +156,9 @@ class EnginesTree(Tree):
         return self.attrs.session(obj, PAGE_OFFSET, snap, extra)
 
     @engine_errors
-    async def setattr(self, inode: InodeNo, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
-                      fh: FileHandle | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        kind, obj, node = self.attrs.resolve(inode)
+    async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
+                      fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
+        kind, obj, node = self.attrs.resolve(InodeNo(inode))
         if kind != "node":
             if fields.update_size:
                 raise FUSEError(errno.EPERM)
@@ -158,9 +170,9 @@ class EnginesTree(Tree):
 
     # -- sessions being copied in ---------------------------------------------------------
 
-    def _incoming_parent(self, parent: InodeNo) -> tuple[SessionEntry, IncomingSession, Node]:
+    def _incoming_parent(self, parent: InodeT) -> tuple[SessionEntry, IncomingSession, Node]:
         """The folder *parent* of a session being copied in, to make or change a name in."""
-        kind, obj, node = self.attrs.resolve(parent)
+        kind, obj, node = self.attrs.resolve(InodeNo(parent))
         if kind != "node":
             raise FUSEError(errno.EACCES if kind in ("session", "pages") else errno.EPERM)
         if not node.is_dir:
@@ -170,10 +182,9 @@ class EnginesTree(Tree):
         return obj, inc, node
 
     @engine_errors
-    async def mkdir(self, parent: InodeNo, name: bytes, mode: int, ctx: pyfuse3.RequestContext
-                    ) -> pyfuse3.EntryAttributes:
+    async def mkdir(self, parent: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
         mode = stat.S_IMODE(mode) & ~ctx.umask
-        kind, obj, _ = self.attrs.resolve(parent)
+        kind, obj, _ = self.attrs.resolve(InodeNo(parent))
         if kind == "engine":
             sname = os.fsdecode(name)
             if not valid_name(sname):
@@ -191,18 +202,18 @@ class EnginesTree(Tree):
         return self.attrs.node(inc.make(node, name, stat.S_IFDIR | mode, ctx.uid, ctx.gid))
 
     @engine_errors
-    async def create(self, parent: InodeNo, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
-                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+    async def create(self, parent: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         entry, inc, node = self._incoming_parent(parent)
         if name in node.children:
             raise FUSEError(errno.EEXIST)
         child = inc.make(node, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask), ctx.uid, ctx.gid)
         fh = self._new_handle(Handle("file", entry, node=child, inc=inc,
                                      writable=(flags & os.O_ACCMODE) != os.O_RDONLY))
-        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False), self.attrs.node(child)
+        return FileInfo(fh=fh, direct_io=True, keep_cache=False), self.attrs.node(child)
 
     @engine_errors
-    async def unlink(self, parent: InodeNo, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def unlink(self, parent: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         entry, inc, node = self._incoming_parent(parent)
         child = node.children.get(name)
         if child is None:
@@ -212,8 +223,8 @@ class EnginesTree(Tree):
         self.copy_in.account(entry.engine, -inc.detach(child))
 
     @engine_errors
-    async def rmdir(self, parent: InodeNo, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        kind, obj, _ = self.attrs.resolve(parent)
+    async def rmdir(self, parent: InodeT, name: FileNameT, ctx: RequestContext) -> None:
+        kind, obj, _ = self.attrs.resolve(InodeNo(parent))
         if kind == "engine":
             entry = obj.entries.get(os.fsdecode(name))
             if entry is None or entry.incoming is None:
@@ -236,8 +247,8 @@ class EnginesTree(Tree):
         inc.detach(child)
 
     @engine_errors
-    async def rename(self, p_old: InodeNo, n_old: bytes, p_new: InodeNo, n_new: bytes, flags: int,
-                     ctx: pyfuse3.RequestContext) -> None:
+    async def rename(self, p_old: InodeT, n_old: FileNameT, p_new: InodeT, n_new: FileNameT, flags: FlagT,
+                     ctx: RequestContext) -> None:
         if not (owns(p_old) and owns(p_new)):
             raise FUSEError(errno.EXDEV)
         entry, inc, src_dir = self._incoming_parent(p_old)
@@ -250,15 +261,15 @@ class EnginesTree(Tree):
 
     # -- files ---------------------------------------------------------------------------
 
-    def _new_handle(self, h: Handle) -> FileHandle:
-        fh = FileHandle(self._next_fh)
+    def _new_handle(self, h: Handle) -> FileHandleT:
+        fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = h
         return fh
 
     @engine_errors
-    async def open(self, inode: InodeNo, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        kind, obj, extra = self.attrs.resolve(inode)
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
+        kind, obj, extra = self.attrs.resolve(InodeNo(inode))
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if kind in ("engines", "engine", "session", "pages") or (kind == "node" and extra.is_dir):
             raise FUSEError(errno.EISDIR)
@@ -283,11 +294,11 @@ class EnginesTree(Tree):
         fh = self._new_handle(h)
         if NOFLUSH and not writable:
             # (Nothing to do at a reader's close: no FLUSH request for it.)
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, noflush=True)
-        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+            return FileInfo(fh=fh, direct_io=True, keep_cache=False, noflush=True)
+        return FileInfo(fh=fh, direct_io=True, keep_cache=False)
 
     @engine_errors
-    async def read(self, fh: FileHandle, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes | memoryview:
         h = self.handles[fh]
         snap = h.snap
         if h.kind == "manifest":
@@ -308,24 +319,24 @@ class EnginesTree(Tree):
         return bytes(data[off:off + size])
 
     @engine_errors
-    async def write(self, fh: FileHandle, off: int, buf: bytes) -> int:
+    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         return await self.copy_in.write(self.handles[fh], off, buf)
 
     @engine_errors
-    async def flush(self, fh: FileHandle) -> None:
+    async def flush(self, fh: FileHandleT) -> None:
         h = self.handles.get(fh)
         if h is not None:
             await self.copy_in.flush(h)
 
-    async def take_blob(self, fh: FileHandle, digest: str, size: int, row: BlobRow | None) -> bool:
+    async def take_blob(self, fh: FileHandleT, digest: str, size: int, row: BlobRow | None) -> bool:
         h = self.handles.get(fh)
         return h is not None and self.copy_in.take_blob(h, digest, size)
 
-    async def whole_blob(self, fh: FileHandle) -> tuple[str, int, BlobRow | None] | None:
+    async def whole_blob(self, fh: FileHandleT) -> tuple[str, int, BlobRow | None] | None:
         h = self.handles.get(fh)
         return None if h is None else await self.copy_out.page_blob(h)
 
-    async def release(self, fh: FileHandle) -> None:
+    async def release(self, fh: FileHandleT) -> None:
         h = self.handles.pop(fh, None)
         if h is not None and h.snap is not None:
             h.snap.refs -= 1
@@ -334,27 +345,28 @@ class EnginesTree(Tree):
     # -- folders ---------------------------------------------------------------------
 
     @engine_errors
-    async def opendir(self, inode: InodeNo, ctx: pyfuse3.RequestContext) -> FileHandle:
-        kind, obj, node = self.attrs.resolve(inode)
+    async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
+        ino = InodeNo(inode)
+        kind, obj, node = self.attrs.resolve(ino)
         if kind in ("manifest", "page") or (kind == "node" and not node.is_dir):
             raise FUSEError(errno.ENOTDIR)
-        dh = DirHandle(inode)
+        dh = DirHandle(ino)
         if kind == "pages":
             dh.snap = await obj.engine.snapshot_for(obj, reader_pid(ctx), fresh="pages/")
             dh.snap.refs += 1
-        fh = FileHandle(self._next_dh)
+        fh = self._next_dh
         self._next_dh += 1
         self.dirs[fh] = dh
         return fh
 
-    async def releasedir(self, fh: FileHandle) -> None:
+    async def releasedir(self, fh: FileHandleT) -> None:
         dh = self.dirs.pop(fh, None)
         if dh is not None and dh.snap is not None:
             dh.snap.refs -= 1
             dh.snap.last_used = time.monotonic()
 
     @engine_errors
-    async def readdir(self, fh: FileHandle, start_id: int, token: pyfuse3.ReaddirToken) -> bool:
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> bool:
         dh = self.dirs[fh]
         kind, obj, node = self.attrs.resolve(dh.ino)
         if kind == "engines":
@@ -400,14 +412,14 @@ class EnginesTree(Tree):
             raise FUSEError(errno.ENOTDIR)
         return True
 
-    def readdir_root(self, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    def readdir_root(self, start_id: int, token: ReaddirToken) -> None:
         """The ``engines`` entry at the end of the root listing, while engines are attached."""
         if self.registry.engines and start_id < ROOT_COOKIE:
             pyfuse3.readdir_reply(token, ENGINES_NAME, self.attrs.engines(), ROOT_COOKIE)
 
     # -- pffs fork into and out of an engine -------------------------------------------------
 
-    async def setxattr(self, inode: InodeNo, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+    async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
         """``pffs fork`` out of or into ``engines/``: the engine's bridge moves the
         bytes itself (the direct path where its process may use the store).
 
@@ -416,11 +428,12 @@ class EnginesTree(Tree):
         path, "name": name}``.  The caller's permissions are checked as for
         writing, or reading, those paths (pffs.fs.manifests).
         """
+        ino = InodeNo(inode)
         mount = self.registry.mountpoint
         if name == SAVE_XATTR:
             parent = self.manifests.resolve_new(value, ctx)
             where = "/" + os.fsdecode(value).strip("/")
-            await self._save(inode, mount + where, where)
+            await self._save(ino, mount + where, where)
             self.manifests.invalidate.inode(parent, True)
             return
         if name != LOAD_XATTR:
@@ -432,7 +445,7 @@ class EnginesTree(Tree):
             raise FUSEError(errno.EINVAL) from None
         self.manifests.resolve_readable(src.rstrip(b"/") + b"/" + MANIFEST, ctx)
         where = "/" + os.fsdecode(src).strip("/")
-        await self._load(inode, target, mount + where, where)
+        await self._load(ino, target, mount + where, where)
 
     async def _save(self, ino: InodeNo, path: str, where: str) -> int:
         """``pffs fork engines/E/S DST``: engine E pages S out at *path* itself."""
