@@ -2,7 +2,8 @@
 The shape of the code: no import circle among the project's modules, pffs
 never imports the engine bridge, no module of pffs past 600 lines, a tree by
 role (no two modules of one file name, few modules at pffs's top, one folder
-per engine adapter), and test files named by level.
+per engine adapter), test files named by level, and no module importing
+another's private name.
 
 Every import counts: at the top, inside functions, under TYPE_CHECKING.
 """
@@ -479,3 +480,22 @@ def test_the_built_whole_check_sees_parts_and_not_data(tmp_path):
     got = [t for _m, t, _line in _assigned_parts(src, tmp_path)]
     assert sorted(got) == sorted(["self.ops.files.nursery", "live.fetch", "live.invalidate", "live.spawn",
                                   "st.blobs.reserve", "self.db.on_full", "blobs.likely_stored", "st.staging"])
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A name one module takes from another is public: no ``from pffs.x import
+    _y`` (nor relative, nor of engine_bridge) in pffs/ and engine_bridge/; a
+    name another module uses loses its underscore."""
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                if not node.level and (node.module or "").split(".")[0] not in PACKAGES:
+                    continue
+                for a in node.names:
+                    if a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__")):
+                        where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                        found.append(f"{where}: from {'.' * node.level}{node.module or ''} import {a.name}")
+    assert found == []

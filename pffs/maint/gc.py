@@ -28,7 +28,7 @@ from typing import Callable
 
 from pffs import namespace as ns
 from pffs.errors import PffsError, StoreFull
-from pffs.store.local import _TMP_PREFIX, LocalBlobStore
+from pffs.store.local import TMP_PREFIX, LocalBlobStore
 from pffs.store.reserve import SpaceReserve
 from pffs.store.storedir import StoreBusy, StoreDir
 from pffs.types import Digest, is_digest
@@ -81,7 +81,7 @@ def _scan(blob_root: Path, cutoff: float, progress) -> tuple[dict[str, tuple[flo
                 st = ent.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if ent.name.startswith(_TMP_PREFIX):
+            if ent.name.startswith(TMP_PREFIX):
                 if st.st_mtime < cutoff:
                     temps.append(Path(ent.path))
                 continue

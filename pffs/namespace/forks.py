@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 import stat
 
-from pffs.namespace.pagelists import _found_whole, _make_pages, unfold
+from pffs.namespace.pagelists import found_whole, make_pages, unfold
 from pffs.namespace.rows import get_inode, lookup, touch_dir
 from pffs.namespace.schema import BLOCK_SIZE, now_ns
 
@@ -31,7 +31,7 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: i
     taken = conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (pdir,)).fetchone() is not None
     if not taken:
         listed = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (manifest,)).fetchone()
-        whole = _found_whole(conn, manifest, listed[0]) if listed is not None else None
+        whole = found_whole(conn, manifest, listed[0]) if listed is not None else None
         if whole is not None:
             n, nbytes = whole
         else:
@@ -50,7 +50,7 @@ def fork_pages(conn: sqlite3.Connection, session_dir: int, manifest: str, uid: i
                                                        n, nbytes))
             touch_dir(conn, pdir, t)
             return [(pdir, n)]
-    n = _make_pages(conn, pdir, manifest, uid, gid, stat.S_IFREG | mode, t, taken)
+    n = make_pages(conn, pdir, manifest, uid, gid, stat.S_IFREG | mode, t, taken)
     if not n:
         return []
     touch_dir(conn, pdir, t)

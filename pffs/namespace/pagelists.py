@@ -45,7 +45,7 @@ def _record(conn: sqlite3.Connection, ino: int, n_pages: int, digest: str) -> No
     conn.execute("INSERT OR REPLACE INTO manifests (inode, n_pages, digest) VALUES (?,?,?)",
                  (ino, n_pages, digest))
     if old is not None and old[0] != digest:
-        _drop_unheld_pages(conn, old[0])
+        drop_unheld_pages(conn, old[0])
 
 
 def forget_manifest(conn: sqlite3.Connection, ino: int) -> None:
@@ -54,10 +54,10 @@ def forget_manifest(conn: sqlite3.Connection, ino: int) -> None:
     if row is None:
         return
     conn.execute("DELETE FROM manifests WHERE inode=?", (ino,))
-    _drop_unheld_pages(conn, row[0])
+    drop_unheld_pages(conn, row[0])
 
 
-def _drop_unheld_pages(conn: sqlite3.Connection, digest: str) -> None:
+def drop_unheld_pages(conn: sqlite3.Connection, digest: str) -> None:
     """Drop the page list of manifest bytes *digest* unless a manifest or a fork's pages
     (page files or a fold) hold it."""
     if conn.execute("SELECT 1 FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone() is not None:
@@ -79,13 +79,13 @@ def recorded_count(conn: sqlite3.Connection, digest: str) -> int | None:
     found = conn.execute("SELECT n_pages FROM manifests WHERE digest=? LIMIT 1", (digest,)).fetchone()
     if found is None:
         return None
-    if _found_whole(conn, digest, found[0]) is not None:
+    if found_whole(conn, digest, found[0]) is not None:
         return found[0]  # (found whole: one row a page, and the list goes only at once)
     have = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE manifest=?", (digest,)).fetchone()[0]
     return found[0] if have == found[0] else None
 
 
-def _found_whole(conn: sqlite3.Connection, digest: str, n_pages: int) -> tuple[int, int] | None:
+def found_whole(conn: sqlite3.Connection, digest: str, n_pages: int) -> tuple[int, int] | None:
     """(files, bytes) of the page list of *digest* if it was found whole with *n_pages* pages."""
     row = conn.execute("SELECT files, bytes FROM whole_lists WHERE manifest=?", (digest,)).fetchone()
     return row if row is not None and row[0] == n_pages else None
@@ -106,8 +106,8 @@ def _pageset(conn: sqlite3.Connection, manifest: str) -> int:
     return conn.execute("SELECT id FROM pagesets WHERE manifest=?", (manifest,)).fetchone()[0]
 
 
-def _make_pages(conn: sqlite3.Connection, pdir: int, manifest: str, uid: int, gid: int, mode: int,
-                t: int, taken: bool) -> int:
+def make_pages(conn: sqlite3.Connection, pdir: int, manifest: str, uid: int, gid: int, mode: int,
+               t: int, taken: bool) -> int:
     """The page files of *manifest* in *pdir* whose blobs are stored: their inodes, blocks and
     dentries rows, by three INSERT ... SELECT statements with no row passing through Python.
 
@@ -158,15 +158,15 @@ def unfold(conn: sqlite3.Connection, pdir: int) -> int:
         return 0
     manifest, uid, gid, mode, t = row
     conn.execute("DELETE FROM folds WHERE dir=?", (pdir,))
-    n = _make_pages(conn, pdir, manifest, uid, gid, mode, t, False)
+    n = make_pages(conn, pdir, manifest, uid, gid, mode, t, False)
     if not n:
-        _drop_unheld_pages(conn, manifest)
+        drop_unheld_pages(conn, manifest)
     return n
 
 
-def _drop_fold(conn: sqlite3.Connection, pdir: int) -> None:
+def drop_fold(conn: sqlite3.Connection, pdir: int) -> None:
     row = conn.execute("SELECT manifest FROM folds WHERE dir=?", (pdir,)).fetchone()
     if row is not None:
         conn.execute("DELETE FROM folds WHERE dir=?", (pdir,))
-        _drop_unheld_pages(conn, row[0])
+        drop_unheld_pages(conn, row[0])
 

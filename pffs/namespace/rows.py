@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from pffs.errors import PffsError
-from pffs.namespace.pagelists import _drop_fold, _drop_unheld_pages, forget_manifest, unfold
+from pffs.namespace.pagelists import drop_fold, drop_unheld_pages, forget_manifest, unfold
 from pffs.namespace.schema import EMPTY_DIGEST, ROOT_INODE, now_ns
 from pffs.types import Digest
 
@@ -134,7 +134,7 @@ def delete_inode(conn: sqlite3.Connection, ino: int) -> None:
     drop_blocks(conn, ino)
     conn.execute("DELETE FROM xattrs WHERE inode=?", (ino,))
     forget_manifest(conn, ino)
-    _drop_fold(conn, ino)
+    drop_fold(conn, ino)
     conn.execute("DELETE FROM inodes WHERE id=?", (ino,))
 
 
@@ -367,7 +367,7 @@ def drop_blocks(conn: sqlite3.Connection, ino: int) -> None:
     for via in vias:
         row = conn.execute("SELECT manifest FROM pagesets WHERE id=?", (via,)).fetchone()
         if row is not None:
-            _drop_unheld_pages(conn, row[0])
+            drop_unheld_pages(conn, row[0])
 
 
 def files_holding(conn: sqlite3.Connection, digest: str) -> list[int]:

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from pffs import codec as codec_mod
-from pffs.store.local import _TMP_PREFIX, LocalBlobStore
+from pffs.store.local import TMP_PREFIX, LocalBlobStore
 from pffs.types import Digest
 
 
@@ -84,7 +84,7 @@ class FrameCache:
             if digest in self._index():
                 return
         path = self.store.path(digest)
-        tmp = path.parent / f"{_TMP_PREFIX}{path.name[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = path.parent / f"{TMP_PREFIX}{path.name[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             with open(tmp, "wb") as f:
                 f.write(frame)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pffs.store.reserve import SpaceReserve
 
 BLOB_DIR = "blobs"
-_TMP_PREFIX = ".tmp-"
+TMP_PREFIX = ".tmp-"
 # Batches of more blobs than this are made durable by one syncfs().
 SYNCFS_MIN = 16
 
@@ -188,7 +188,7 @@ class LocalBlobStore:
         codec_name = codec_mod.read_header(frame).codec.name
         if self.reserve is not None:
             self.reserve.before_put(len(frame))
-        tmp = f"{folder}/{_TMP_PREFIX}{digest_hex(digest)[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = f"{folder}/{TMP_PREFIX}{digest_hex(digest)[:16]}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -308,7 +308,7 @@ class LocalBlobStore:
         for sub in os.scandir(self.blob_root):
             if sub.is_dir():
                 for ent in os.scandir(sub.path):
-                    if ent.name.startswith(_TMP_PREFIX):
+                    if ent.name.startswith(TMP_PREFIX):
                         yield Path(ent.path)
 
 

@@ -40,14 +40,14 @@ from pffs.namespace import BlobRow
 from pffs.store.base import BlobBatch, PutResult
 from pffs.store.framecache import FrameCache, PeekCache
 from pffs.store.local import decode_verified, decode_verified_view, sealed
-from pffs.store.s3client import DOWN_HOLD, S3Requests, _status
+from pffs.store.s3client import DOWN_HOLD, S3Requests, http_status
 from pffs.store.s3config import (
-    _PERSISTED,
     BLOBS,
     CONFIG_NAME,
     MANIFESTS,
     MOUNTS,
     OPTIONS,
+    PERSISTED,
     SCHEME,
     TRASH,
     bind,
@@ -93,7 +93,7 @@ def open_remote(root: Path, url: str | None, options: dict | None = None,
     cfg = bind(root, url, options) if url is not None else read_config(root)
     if cfg is None:
         return None
-    for k in _PERSISTED:
+    for k in PERSISTED:
         if not options.get(k) and cfg.get(k):
             options[k] = cfg[k]
     store_url = url_of(cfg["url"])
@@ -114,7 +114,7 @@ def open_url(url: str) -> "S3BlobStore":
     except PffsError:
         cfg = None
     if cfg is not None and url_of(cfg["url"]) == url:
-        options = {k: cfg[k] for k in _PERSISTED if cfg.get(k)}
+        options = {k: cfg[k] for k in PERSISTED if cfg.get(k)}
     return S3BlobStore(root, url, options=options)
 
 
@@ -360,7 +360,7 @@ class S3BlobStore(S3Requests):
                 self.client.put_object(**kw)
                 break
             except ClientError as e:
-                status = _status(e)
+                status = http_status(e)
                 if status == 412:
                     existed = True  # stored before (by us or another writer): same bytes
                     break
@@ -545,7 +545,7 @@ class S3BlobStore(S3Requests):
         try:
             self.client.put_object(**kw)
         except ClientError as e:
-            if _status(e) == 412:
+            if http_status(e) == 412:
                 return False
             raise self._error(f"PUT {full}", e) from None
         except (BotoCoreError, OSError) as e:

@@ -107,7 +107,7 @@ class S3Requests:
         try:
             return getattr(self.client, op)(Bucket=self.bucket, **kw)
         except ClientError as e:
-            if _status(e) == 404 and _code(e) not in ("NoSuchBucket",):
+            if http_status(e) == 404 and _code(e) not in ("NoSuchBucket",):
                 return None
             raise self._error(what, e) from None
         except (BotoCoreError, OSError) as e:
@@ -118,7 +118,7 @@ class S3Requests:
         nothing answered since it began holds the endpoint (unless not *hold*)."""
         from botocore.exceptions import ClientError
         if isinstance(e, ClientError):
-            code, status = _code(e), _status(e)
+            code, status = _code(e), http_status(e)
             if code == "NoSuchBucket":
                 why = "the bucket does not exist"
             elif status == 403:
@@ -137,7 +137,7 @@ class S3Requests:
         return StoreUnavailable(f"{self.url}: {what}: {why}")
 
 
-def _status(e) -> int:
+def http_status(e) -> int:
     return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
 
 

@@ -33,7 +33,7 @@ MOUNTS = "mounts/"
 OPTIONS = ("endpoint", "region", "access_key", "secret_key", "addressing", "s3_timeout",
            "s3_retries", "upload_threads", "lease")
 # Options worth remembering in remote.json for later tools (never secrets).
-_PERSISTED = ("endpoint", "region", "addressing")
+PERSISTED = ("endpoint", "region", "addressing")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
 
 
@@ -96,7 +96,7 @@ def bind(root: Path, url: str, options: dict) -> dict:
         raise PffsError(f"{root} holds a local pffs store; give S3 stores a folder of their own (--cache)")
     new = dict(cfg or {})
     new["url"] = url
-    new.update({k: options[k] for k in _PERSISTED if options.get(k)})
+    new.update({k: options[k] for k in PERSISTED if options.get(k)})
     if new != cfg:
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".{CONFIG_NAME}.{os.getpid()}"
