@@ -13,7 +13,7 @@ import os
 import sqlite3
 
 from lifecycle_helpers import gc, run, stats
-from mountutil import pffs
+from mountutil import pffs, wait_for
 from pffs import manifest as mf
 from pffs.store.storedir import StoreDir
 from sessions import digest, varied_pages, write_session
@@ -32,13 +32,25 @@ def session_bytes(path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def folds(mnt) -> int:
-    """Folded forks in the mounted store's namespace (read beside the daemon)."""
+def count(mnt, query: str) -> int:
+    """A count in the mounted store's namespace (read beside the daemon)."""
     c = sqlite3.connect(f"file:{mnt.store / 'namespace.db'}?mode=ro", uri=True)
     try:
-        return c.execute("SELECT COUNT(*) FROM folds").fetchone()[0]
+        return c.execute(query).fetchone()[0]
     finally:
         c.close()
+
+
+def folds(mnt) -> int:
+    return count(mnt, "SELECT COUNT(*) FROM folds")
+
+
+def rm_r(mnt, path) -> None:
+    """rm -r through the mount, then wait for the kernel to let go of what it removed
+    (an unlinked inode keeps its blobs until the kernel's forget)."""
+    run("rm", "-r", path)
+    wait_for(lambda: count(mnt, "SELECT COUNT(*) FROM inodes WHERE nlink = 0") == 0,
+             what="the removed files to be forgotten")
 
 
 def test_a_forks_own_bytes_are_the_page_it_rewrote_and_rm_and_gc_free_exactly_them(mnt, bf16_pages):
@@ -74,7 +86,7 @@ def test_a_forks_own_bytes_are_the_page_it_rewrote_and_rm_and_gc_free_exactly_th
     # Page files of 144 KiB: b's Exclusive column is one page.
     assert table[2].split()[4:6] == [f"{len(new) / 1024:.1f}", "KiB"]
 
-    run("rm", "-r", mnt / "b")
+    rm_r(mnt, mnt / "b")
     out = gc(mnt.store)
     assert f"removed 1 blobs ({b['exclusive_stored_bytes']} bytes)" in out
     after = stats(mnt.path)
@@ -103,7 +115,7 @@ def test_a_folder_holding_a_session_and_its_fork_holds_all_their_bytes_alone(mnt
         [before[k] for k in ("files", "logical_bytes", "unique_bytes", "stored_bytes")]
     assert whole["exclusive_stored_bytes"] == before["stored_bytes"]
 
-    run("rm", "-r", mnt / "team")
+    rm_r(mnt, mnt / "team")
     gc(mnt.store)
     after = stats(mnt.path)
     assert before["stored_bytes"] - after["stored_bytes"] == team["exclusive_stored_bytes"]
@@ -123,7 +135,7 @@ def test_what_a_manifest_outside_lists_is_shared_and_gc_keeps_it(mnt, bf16_pages
     b, = du(mnt / "b")["paths"]
     assert b["exclusive_bytes"] == 0 and b["shared_bytes"] == b["unique_bytes"] > 0
     before = stats(mnt.path)
-    run("rm", "-r", mnt / "b")
+    rm_r(mnt, mnt / "b")
     assert "removed 0 blobs" in gc(mnt.store)
     assert stats(mnt.path)["stored_bytes"] == before["stored_bytes"]
 
@@ -137,7 +149,7 @@ def test_what_a_manifest_outside_lists_is_shared_and_gc_keeps_it(mnt, bf16_pages
     assert a["exclusive_blobs"] == 1 and a["exclusive_bytes"] == len(new)
     assert a["exclusive_stored_bytes"] == stored_size(mnt.store, new)
     before = stats(mnt.path)
-    run("rm", "-r", mnt / "a")
+    rm_r(mnt, mnt / "a")
     gc(mnt.store)
     assert before["stored_bytes"] - stats(mnt.path)["stored_bytes"] == a["exclusive_stored_bytes"]
     # What du called shared is still there: a fork of the kept manifest gets every page.
@@ -157,7 +169,7 @@ def test_a_folded_fork_counts_its_page_files_without_being_looked_into(mnt, bf16
     assert sorted(os.listdir(mnt / "f" / "pages")) == [mf.page_name(i) for i in range(3)]  # (unfolds it)
     assert du(mnt / "f")["paths"] == [folded]
     # Without a, the fork holds every page alone: through its manifest and its page files.
-    run("rm", "-r", mnt / "a")
+    rm_r(mnt, mnt / "a")
     alone, = du(mnt / "f")["paths"]
     assert alone["exclusive_blobs"] == 4 and alone["exclusive_stored_bytes"] == alone["stored_bytes"]
 
