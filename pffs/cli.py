@@ -77,6 +77,26 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_du(args) -> int:
+    import json
+
+    from pffs.client.du import du
+    rows, together = du(args.paths)
+    if args.json:
+        out: dict = {"paths": [{"path": path, **u.to_json()} for path, u in rows]}
+        if together is not None:
+            out["together"] = together.to_json()
+        print(json.dumps(out, indent=2))
+        return 0
+    if together is not None:
+        rows.append(("(together)", together))
+    print(f"{'Total':>10} {'Shared':>10} {'Exclusive':>10} {'Frees':>10}  Path")
+    for path, u in rows:
+        sizes = (u.logical_bytes, u.shared_bytes, u.exclusive_bytes, u.exclusive_stored_bytes)
+        print(" ".join(f"{_human(n):>10}" for n in sizes) + f"  {path}")
+    return 0
+
+
 def cmd_check(args) -> int:
     return check_store(_store(args), read_data=args.read_data, repair=args.repair,
                        progress=Progress("checking blobs"))
@@ -291,6 +311,12 @@ def _stats_args(s) -> None:
     s.set_defaults(func=cmd_stats)
 
 
+def _du_args(s) -> None:
+    s.add_argument("paths", nargs="+", metavar="PATH", help="a session or folder in a mounted pffs")
+    s.add_argument("--json", action="store_true", help="print JSON (bytes)")
+    s.set_defaults(func=cmd_du)
+
+
 def _check_args(s) -> None:
     s.add_argument("--store", help="store directory")
     s.add_argument("--read-data", action="store_true", help="read, decompress and re-hash every blob")
@@ -365,6 +391,7 @@ COMMANDS = [
     ("seal", "rewrite a session's manifest.json from its page files", _seal_args),
     ("demo", "save, fork and restore a KV cache of the reference engine", _demo_args),
     ("stats", "store figures: sessions, bytes, dedup and compression ratios", _stats_args),
+    ("du", "what sessions or folders share, hold alone, and would give back if removed", _du_args),
     ("check", "check an unmounted store for damage", _check_args),
     ("gc", "remove blobs no file holds and no manifest lists (mounted or not)", _gc_args),
     ("prune", "remove old sessions under a folder of a mounted pffs, then gc", _prune_args),

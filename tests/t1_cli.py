@@ -19,6 +19,7 @@ SAMPLES = [
     ["seal", "s"],
     ["demo", "--dtype", "f32", "--tokens", "3"],
     ["stats", "--json", "/m"],
+    ["du", "--json", "/m/a", "/m/b"],
     ["check", "--read-data", "--repair", "--store", "/s"],
     ["gc", "--dry-run", "--grace", "0"],
     ["prune", "/p", "--keep-last", "2"],

@@ -25,6 +25,8 @@ The package's modules, each with one reason to change:
   unfold).  It calls nothing of the tree's; the tree calls it.
 - :mod:`.forks`: metadata-only forks (fork_pages), on top of the two above.
 - :mod:`.figures`: Stats, stats and iter_referenced_blobs (the gc roots).
+- :mod:`.usage`: what places of the tree share and hold alone (Place,
+  PlaceMoved, Usage, usage_of: ``pffs du``), by the gc roots' rules.
 - :mod:`.queries`: the mounted daemon's reads (listings, counts, what
   prefetch reads ahead, page_verdict) and KnownBlobs, asked from any thread.
 - :mod:`.changes`: the mounted daemon's changes that its writer and commit
@@ -32,7 +34,7 @@ The package's modules, each with one reason to change:
   fork_manifest, delete_unlinked...).
 
 Imports go one way: schema <- pagelists <- tree <- forks <- changes, and
-queries on top of the tree; figures needs only the tables.  Every public name is re-exported here (``__all__``), so
+queries on top of the tree; figures and usage need only the tables.  Every public name is re-exported here (``__all__``), so
 ``from pffs import namespace as ns; ns.X`` and ``from pffs.namespace import X``
 work as they did when this was one module.
 """
@@ -146,6 +148,7 @@ from pffs.namespace.schema import (
     set_busy_timeout,
     transaction,
 )
+from pffs.namespace.usage import Place, PlaceMoved, Usage, usage_of
 
 __all__ = [
     "BLOCK_SIZE",
@@ -175,9 +178,12 @@ __all__ = [
     "Inode",
     "KnownBlobs",
     "LateManifest",
+    "Place",
+    "PlaceMoved",
     "SchemaError",
     "Stats",
     "StoredContent",
+    "Usage",
     "blocks_of",
     "check_name",
     "checkpoint",
@@ -247,4 +253,5 @@ __all__ = [
     "transaction",
     "unfold",
     "unlink",
+    "usage_of",
 ]
