@@ -171,6 +171,8 @@ def cmd_tree(args) -> int:
         raise PffsError(f"{top}: not inside a mounted pffs" + ("" if args.path else " (give a folder of one)"))
     if args.path is None:
         top = root
+    if not top.exists():
+        raise PffsError(f"{top}: no such file or directory")
     if not top.is_dir():
         raise PffsError(f"{top}: not a directory")
     found = list(read_sessions(top, root))

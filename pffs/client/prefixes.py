@@ -159,7 +159,8 @@ def _weight(row: Row) -> int:
 def layout(tree: PrefixTree, max_rows: int = 0) -> list[Row]:
     """The rows under the root to draw, at most *max_rows* of them with the
     ``more`` rows (0: all).  The biggest branches are kept: rows are taken
-    greediest first (most sessions), a row only once its parent is in."""
+    greediest first (most sessions), each once its parent is in and if it
+    fits, and what is left out is counted in a ``more`` row where it hangs."""
     top = _sub_rows(tree.root)
     if max_rows <= 0:
         stack = list(top)
@@ -172,26 +173,26 @@ def layout(tree: PrefixTree, max_rows: int = 0) -> list[Row]:
     tie = itertools.count()
     heap = [(-_weight(r), next(tie), r, None) for r in top]
     heapq.heapify(heap)
-    taken: list[tuple[Row, Row | None]] = []
     kids: dict[int, list[Row]] = {}     # id(row) -> its sub-rows, taken or not
-    while heap and len(taken) < max_rows:
+    left: dict[int | None, int] = {None: len(top)}    # sub-rows not taken yet (None: the top's)
+    shown: set[int] = set()
+    total = 1 if top else 0             # rows drawn: those taken and a "more" row per part left out
+    while heap:
         _, _, r, parent = heapq.heappop(heap)
-        taken.append((r, parent))
+        key = None if parent is None else id(parent)
+        # Taking r draws it, and a "more" row under it if it is a branch (none
+        # of its own taken yet); its parent's "more" row goes with the last one.
+        grow = 1 + (r.kind == "branch") - (left[key] == 1)
+        if total + grow > max_rows:
+            continue        # (a smaller row may still fit)
+        total += grow
+        left[key] -= 1
+        shown.add(id(r))
         if r.kind == "branch":
             kids[id(r)] = _sub_rows(r.node)
+            left[id(r)] = len(kids[id(r)])
             for k in kids[id(r)]:
                 heapq.heappush(heap, (-_weight(k), next(tie), k, r))
-    shown = {id(r) for r, _ in taken}
-
-    def more_rows() -> int:
-        n = int(any(id(r) not in shown for r in top))
-        return n + sum(1 for r, _ in taken if id(r) in shown and r.kind == "branch"
-                       and any(id(k) not in shown for k in kids[id(r)]))
-    # The last row taken has none taken under it: dropping rows from the end
-    # keeps every row's parent in, until the "more" rows fit too.
-    while taken and len(shown) + more_rows() > max_rows:
-        r, _ = taken.pop()
-        shown.discard(id(r))
     return _assemble(tree.root, top, kids, shown)
 
 

@@ -98,7 +98,7 @@ def draw(title: str, tree: PrefixTree, rows: list[Row], *, differ: int = 0, miss
         y, h = TOP + first * ROW_H + 1, (last - first + 1) * ROW_H - 2
         fill, ink = _colour(b.sessions, most)
         alone = row.kind == "leaf"
-        tip = (f"{row.name}: " if alone else "") + f"{span(b.n_pages, b.n_tokens)} " + \
+        tip = (f"{clean(row.name)}: " if alone else "") + f"{span(b.n_pages, b.n_tokens)} " + \
             ("alone" if alone else f"shared by {sessions(b.sessions)}") + \
             f"; pages {b.depth_pages - b.n_pages}–{b.depth_pages - 1}" + \
             ("" if alone or not b.children else f"; forks after {span(b.depth_pages, b.depth_tokens)}")

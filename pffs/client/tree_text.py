@@ -53,8 +53,10 @@ def elide(s: str, w: int) -> str:
 
 
 def clean(name: str) -> str:
-    """A name as a terminal can show it: control characters and undecodable bytes as ``?``."""
-    return "".join("?" if unicodedata.category(c) in ("Cc", "Cs", "Cf", "Zl", "Zp") else c for c in name)
+    """A name as a terminal (and XML) can show it: control characters,
+    undecodable bytes and non-characters as ``?``."""
+    return "".join("?" if unicodedata.category(c) in ("Cc", "Cs", "Cf", "Cn", "Zl", "Zp") else c
+                   for c in name)
 
 
 def pages(n: int) -> str:
