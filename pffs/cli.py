@@ -157,6 +157,15 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def _write_out(text: str) -> None:
+    """*text* to stdout; a reader that stopped early (``| head``) is no error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def cmd_tree(args) -> int:
     from pathlib import Path
 
@@ -182,12 +191,12 @@ def cmd_tree(args) -> int:
     title = args.path or str(top)
     if args.svg is None:
         rows = prefixes.layout(tree, 60 if args.lines is None else args.lines)
-        print("\n".join(tree_text.draw(title, tree, rows, differ=differ, missing=missing)))
+        _write_out("\n".join(tree_text.draw(title, tree, rows, differ=differ, missing=missing)) + "\n")
         return 0
     rows = prefixes.layout(tree, 1000 if args.lines is None else args.lines)
     svg = tree_svg.draw(title, tree, rows, differ=differ, missing=missing)
     if args.svg == "-":
-        sys.stdout.write(svg)
+        _write_out(svg)
         return 0
     with open(args.svg, "w") as f:
         f.write(svg)

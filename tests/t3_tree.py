@@ -39,7 +39,8 @@ def rewrite(session: Path, new: dict[int, bytes]) -> None:
 # -- a small tree, every figure known --------------------------------------------
 
 EXPECTED = """\
-team: 7 sessions · 36 pages listed · 13 after sharing prefixes
+team
+7 sessions · 36 pages listed · 13 after sharing prefixes
 1 session with page files that differ from manifest.json, drawn as the files are (pffs seal SESSION)
 ├─┬ 3 pages (48 tok) shared by 6 · forks after 3 pages (48 tok)
 │ ├── short     nothing alone · 3 pages (48 tok) in all
@@ -76,17 +77,17 @@ def test_a_small_tree_shows_its_forks_and_figures(mnt, bf16_pages):
     (team / "notes").mkdir()                                # a plain folder, no session
 
     out = pffs("tree", team).stdout
-    assert out == EXPECTED.replace("team:", f"{team}:", 1)
+    assert out == EXPECTED.replace("team", str(team), 1)
     assert all(len(line) <= 100 for line in out.splitlines())
 
     # Sealing c draws it from its manifest alike, and the note goes.
     pffs("seal", team / "c")
-    assert pffs("tree", team).stdout.splitlines()[1].startswith("├─┬ 3 pages (48 tok) shared by 6")
+    assert pffs("tree", team).stdout.splitlines()[2].startswith("├─┬ 3 pages (48 tok) shared by 6")
 
     # Three lines at most below the first: the biggest branch that fits, what
     # it leaves out, and the next that fits.
     lines = pffs("tree", team, "--lines", "3").stdout.splitlines()
-    assert lines[1:] == ["├─┬ 3 pages (48 tok) shared by 6 · forks after 3 pages (48 tok)",
+    assert lines[2:] == ["├─┬ 3 pages (48 tok) shared by 6 · forks after 3 pages (48 tok)",
                          "│ └── … 6 more sessions: 1 ends here, 5 in 1 branch (7 pages)",
                          "└── lone  3 pages (48 tok) alone · 3 pages (48 tok) in all"]
 
@@ -187,17 +188,17 @@ def test_fifty_forked_sessions_drawn_in_100_columns(fleet, tmp_path):
     branches, alone, distinct = _expected(model)
     out = pffs("tree", mnt / "fleet", "--lines", "0").stdout.splitlines()
     assert all(len(line) <= 100 for line in out), max(out, key=len)
-    assert out[0] == (f"{mnt / 'fleet'}: 50 sessions · {sum(map(len, model.values()))} pages listed"
-                      f" · {distinct} after sharing prefixes")
-    assert out[1].startswith("3 sessions with page files that differ from manifest.json")
+    assert out[:2] == [str(mnt / "fleet"), f"50 sessions · {sum(map(len, model.values()))} pages listed"
+                       f" · {distinct} after sharing prefixes"]
+    assert out[2].startswith("3 sessions with page files that differ from manifest.json")
     found = Counter()
-    for line in out[2:]:
+    for line in out[3:]:
         m = BRANCH.search(line)
         if m:
             found[(int(m[1]), int(m[2]))] += 1
             assert int(m[3]) == TOK * int(m[2])
     assert found == branches and sum(branches.values()) >= 10
-    named = {m[1]: m[2] for line in out[2:] if (m := NAMED.search(line))}
+    named = {m[1]: m[2] for line in out[3:] if (m := NAMED.search(line))}
     assert set(named) == set(model)
     for name, text in named.items():
         n = len(model[name])
@@ -207,9 +208,9 @@ def test_fifty_forked_sessions_drawn_in_100_columns(fleet, tmp_path):
 
     # By default the biggest branches in at most 60 lines, the rest counted.
     short = pffs("tree", cwd=mnt / "fleet" / "team-b").stdout.splitlines()
-    assert short[0].startswith(f"{mnt.path}: 50 sessions")
-    assert 10 < len(short) <= 62 and all(len(line) <= 100 for line in short)
-    drawn = sum(1 for line in short[2:] if NAMED.search(line) and "more session" not in line)
+    assert short[:2] == [str(mnt.path), out[1]]
+    assert 10 < len(short) <= 63 and all(len(line) <= 100 for line in short)
+    drawn = sum(1 for line in short[3:] if NAMED.search(line) and "more session" not in line)
     hidden = sum(int(m[1]) for line in short if (m := re.search(r"… (\d+) more sessions?:", line)))
     assert hidden > 0 and drawn + hidden == 50
 

@@ -99,8 +99,9 @@ def more(row: Row) -> str:
 
 
 def header(title: str, tree: PrefixTree, differ: int = 0, missing: int = 0, w: int = WIDTH) -> list[str]:
-    lines = [f"{elide(clean(title), max(20, w - 70))}: {sessions(tree.n_sessions)} · "
-             f"{pages(tree.listed_pages)} listed · {tree.tree_pages} after sharing prefixes"]
+    """The folder drawn, its figures, and what the drawing could not take from the manifests."""
+    lines = [elide(clean(title), w), f"{sessions(tree.n_sessions)} · {pages(tree.listed_pages)} listed · "
+             f"{tree.tree_pages} after sharing prefixes"]
     if differ:
         lines.append(f"{sessions(differ)} with page files that differ from manifest.json,"
                      " drawn as the files are (pffs seal SESSION)")
