@@ -204,7 +204,7 @@ def test_fifty_forked_sessions_drawn_in_100_columns(fleet, tmp_path):
         n = len(model[name])
         held = (f"+{alone[name]} page{'s' * (alone[name] != 1)} ({TOK * alone[name]} tok) alone"
                 if alone[name] else "nothing alone")
-        assert text == f"{held} · {n} pages ({TOK * n} tok) in all", name
+        assert text == f"{held} · {n} page{'s' * (n != 1)} ({TOK * n} tok) in all", name
 
     # By default the biggest branches in at most 60 lines, the rest counted.
     short = pffs("tree", cwd=mnt / "fleet" / "team-b").stdout.splitlines()

@@ -48,9 +48,8 @@ class _Canvas:
     def text(self, x: float, y: float, s: str, size: int = 12, fill: str = "#1a1a1a",
              extra: str = "", tip: str = "", span: float | None = None) -> None:
         """Text at (*x*, *y*); *span*: how far right it reaches (its estimated width by default)."""
-        title = f"<title>{escape(tip)}</title>" if tip else ""
-        self.parts.append(f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}"{extra}>'
-                          f"{title}{escape(s)}</text>")
+        text = f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}"{extra}>{escape(s)}</text>'
+        self.parts.append(f"<g><title>{escape(tip)}</title>{text}</g>" if tip else text)
         self.right = max(self.right, x + (_text_w(s, size) if span is None else span))
 
     def bar(self, x: float, y: float, w: float, h: float, fill: str, tip: str) -> None:
