@@ -41,7 +41,7 @@ def rewrite(session: Path, new: dict[int, bytes]) -> None:
 EXPECTED = """\
 team
 7 sessions · 36 pages listed · 13 after sharing prefixes
-1 session with page files that differ from manifest.json, drawn as the files are (pffs seal SESSION)
+1 session: page files differ from manifest.json, drawn as the files are (see pffs seal)
 ├─┬ 3 pages (48 tok) shared by 6 · forks after 3 pages (48 tok)
 │ ├── short     nothing alone · 3 pages (48 tok) in all
 │ └─┬ +1 page (16 tok) shared by 5 · forks after 4 pages (64 tok)
@@ -190,7 +190,7 @@ def test_fifty_forked_sessions_drawn_in_100_columns(fleet, tmp_path):
     assert all(len(line) <= 100 for line in out), max(out, key=len)
     assert out[:2] == [str(mnt / "fleet"), f"50 sessions · {sum(map(len, model.values()))} pages listed"
                        f" · {distinct} after sharing prefixes"]
-    assert out[2].startswith("3 sessions with page files that differ from manifest.json")
+    assert out[2] == "3 sessions: page files differ from manifest.json, drawn as the files are (see pffs seal)"
     found = Counter()
     for line in out[3:]:
         m = BRANCH.search(line)

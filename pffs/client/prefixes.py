@@ -171,7 +171,7 @@ def layout(tree: PrefixTree, max_rows: int = 0) -> list[Row]:
                 stack.extend(r.children)
         return top
     tie = itertools.count()
-    heap = [(-_weight(r), next(tie), r, None) for r in top]
+    heap: list[tuple[int, int, Row, Row | None]] = [(-_weight(r), next(tie), r, None) for r in top]
     heapq.heapify(heap)
     kids: dict[int, list[Row]] = {}     # id(row) -> its sub-rows, taken or not
     left: dict[int | None, int] = {None: len(top)}    # sub-rows not taken yet (None: the top's)

@@ -123,18 +123,18 @@ def draw(title: str, tree: PrefixTree, rows: list[Row], *, differ: int = 0, miss
             if line2:
                 c.text(x0 + 4, mid + 11, line2, 10, ink, tip=tip)
     for i, row in enumerate(slots):
-        x = right_of.get(id(row.node), LEFT) + 6
-        y = TOP + i * ROW_H + ROW_H / 2 + 4
+        tx = right_of.get(id(row.node), LEFT) + 6
+        ty = TOP + i * ROW_H + ROW_H / 2 + 4
         if row.kind == "more":
-            c.text(x, y, more(row), 12, "#666666", ' font-style="italic"')
+            c.text(tx, ty, more(row), 12, "#666666", ' font-style="italic"')
             continue
         b = row.node
-        alone = f"+{span(b.n_pages, b.n_tokens)} alone" if row.kind == "leaf" else "nothing alone"
+        held = f"+{span(b.n_pages, b.n_tokens)} alone" if row.kind == "leaf" else "nothing alone"
         name = clean(row.name)
-        c.text(x, y, elide(name, NAME_MAX), 12, "#1a1a1a", ' font-weight="bold"',
-               tip=f"{name}: {span(b.depth_pages, b.depth_tokens)}, {alone}")
-        c.text(x + _text_w(elide(name, NAME_MAX), 12) + 8, y,
-               f"{span(b.depth_pages, b.depth_tokens)} · {alone}", 11, "#444444")
+        c.text(tx, ty, elide(name, NAME_MAX), 12, "#1a1a1a", ' font-weight="bold"',
+               tip=f"{name}: {span(b.depth_pages, b.depth_tokens)}, {held}")
+        c.text(tx + _text_w(elide(name, NAME_MAX), 12) + 8, ty,
+               f"{span(b.depth_pages, b.depth_tokens)} · {held}", 11, "#444444")
     head = [f"{clean(title)}", f"{sessions(tree.n_sessions)} · {pages(tree.listed_pages)} listed · "
             f"{tree.tree_pages} after sharing prefixes"
             + (f" · {differ} drawn from page files newer than manifest.json" if differ else "")

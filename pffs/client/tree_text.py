@@ -103,8 +103,8 @@ def header(title: str, tree: PrefixTree, differ: int = 0, missing: int = 0, w: i
     lines = [elide(clean(title), w), f"{sessions(tree.n_sessions)} · {pages(tree.listed_pages)} listed · "
              f"{tree.tree_pages} after sharing prefixes"]
     if differ:
-        lines.append(f"{sessions(differ)} with page files that differ from manifest.json,"
-                     " drawn as the files are (pffs seal SESSION)")
+        lines.append(f"{sessions(differ)}: page files differ from manifest.json, drawn as the files are"
+                     " (see pffs seal)")
     if missing:
         lines.append(f"{sessions(missing)} incomplete (page files missing), drawn as manifest.json lists them")
     return [_cut_end(line, w) for line in lines]
