@@ -123,6 +123,8 @@ def _fork_tree(mnt, bf16_pages, n=50) -> dict[str, list[bytes]]:
     parents = ["root"]
     for i in range(1, n):
         name = f"s{i:02d}" if i % 3 else f"team-b/s{i:02d}"
+        if i % 10 == 0:
+            name = f"{'an-experiment-with-a-long-name-' * 4}{i:02d}"     # (cut in the drawing)
         parent = rnd.choice(parents)
         old = model[parent]
         unsealed = i >= n - 3
@@ -198,7 +200,13 @@ def test_fifty_forked_sessions_drawn_in_100_columns(fleet, tmp_path):
             found[(int(m[1]), int(m[2]))] += 1
             assert int(m[3]) == TOK * int(m[2])
     assert found == branches and sum(branches.values()) >= 10
-    named = {m[1]: m[2] for line in out[3:] if (m := NAMED.search(line))}
+    named = {}
+    for line in out[3:]:
+        if m := NAMED.search(line):
+            # A name too long for its line is cut in the middle.
+            head, cut, tail = m[1].partition("…")
+            (full,) = [n for n in model if n == m[1] or cut and n.startswith(head) and n.endswith(tail)]
+            named[full] = m[2]
     assert set(named) == set(model)
     for name, text in named.items():
         n = len(model[name])
@@ -227,8 +235,13 @@ def test_fifty_forked_sessions_as_svg_a_renderer_draws(fleet, tmp_path):
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
     # Standalone: nothing fetched (no links, images, scripts, styles from elsewhere).
     assert not re.search(r"href|<image|<script|@import|url\(", text)
-    words = {"".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")}
-    assert set(model) <= words
+    # Every session is named in the picture, in full in its tooltip (long ones cut on the page).
+    ns = "{http://www.w3.org/2000/svg}"
+    words = {t.text for t in root.iter() if t.tag in (f"{ns}text", f"{ns}tspan") and t.text}
+    tips = {t.text.partition(": ")[0] for t in root.iter(f"{ns}title") if t.text}
+    assert set(model) <= tips
+    assert {n for n in model if len(n) < 60} <= words
+    assert sum(1 for w in words if "…" in w) == sum(1 for n in model if len(n) > 60)
     run("rsvg-convert", svg, "-o", png)
     if os.environ.get("PFFS_TREE_PNG"):
         shutil.copy(png, os.environ["PFFS_TREE_PNG"])    # (to look at it)

@@ -52,6 +52,16 @@ class _Canvas:
         self.parts.append(f"<g><title>{escape(tip)}</title>{text}</g>" if tip else text)
         self.right = max(self.right, x + (_text_w(s, size) if span is None else span))
 
+    def runs(self, x: float, y: float, parts: list[tuple[str, int, str, bool]], tip: str) -> None:
+        """One line of text in runs (text, size, colour, bold) that the renderer sets one
+        after the other, 8 px apart, so none can overlap the next whatever the font."""
+        spans = "".join(f'<tspan font-size="{size}" fill="{fill}"'
+                        + (' font-weight="bold"' if bold else "") + (' dx="8"' if i else "")
+                        + f">{escape(s)}</tspan>" for i, (s, size, fill, bold) in enumerate(parts))
+        self.parts.append(f'<g><title>{escape(tip)}</title><text x="{x:.1f}" y="{y:.1f}">{spans}</text></g>')
+        self.right = max(self.right, x + sum(_text_w(s, size) * (1.15 if bold else 1) + 8
+                                             for s, size, _, bold in parts))
+
     def bar(self, x: float, y: float, w: float, h: float, fill: str, tip: str) -> None:
         self.parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="3"'
                           f' fill="{fill}" stroke="#ffffff" stroke-width="1">'
@@ -131,10 +141,9 @@ def draw(title: str, tree: PrefixTree, rows: list[Row], *, differ: int = 0, miss
         b = row.node
         held = f"+{span(b.n_pages, b.n_tokens)} alone" if row.kind == "leaf" else "nothing alone"
         name = clean(row.name)
-        c.text(tx, ty, elide(name, NAME_MAX), 12, "#1a1a1a", ' font-weight="bold"',
+        c.runs(tx, ty, [(elide(name, NAME_MAX), 12, "#1a1a1a", True),
+                        (f"{span(b.depth_pages, b.depth_tokens)} · {held}", 11, "#444444", False)],
                tip=f"{name}: {span(b.depth_pages, b.depth_tokens)}, {held}")
-        c.text(tx + _text_w(elide(name, NAME_MAX), 12) + 8, ty,
-               f"{span(b.depth_pages, b.depth_tokens)} · {held}", 11, "#444444")
     head = [f"{clean(title)}", f"{sessions(tree.n_sessions)} · {pages(tree.listed_pages)} listed · "
             f"{tree.tree_pages} after sharing prefixes"
             + (f" · {differ} drawn from page files newer than manifest.json" if differ else "")
