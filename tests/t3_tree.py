@@ -267,3 +267,5 @@ def test_fifty_forked_sessions_as_svg_a_renderer_draws(fleet, tmp_path):
     assert colours is not None and len(colours) > 20     # bars in several shades and text
     dark = sum(n for n, c in colours if sum(c) < 384)
     assert 0.02 < dark / (width * height) < 0.9          # not a blank page, not all ink
+    blue = sum(n for n, (r, g, b) in colours if b - r > 40)
+    assert blue / (width * height) > 0.08                 # the bars (text alone is grey)
