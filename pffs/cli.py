@@ -177,6 +177,54 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def _write_out(text: str) -> None:
+    """*text* to stdout; a reader that stopped early (``| head``) is no error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def cmd_tree(args) -> int:
+    from pathlib import Path
+
+    from pffs.client import prefixes, tree_svg, tree_text
+    from pffs.client.digests import read_sessions
+    from pffs.client.mounted import pffs_root
+    if args.lines is not None and args.lines < 0:
+        raise PffsError("--lines takes a number >= 0 (0: every session)")
+    top = Path(args.path or ".").absolute()
+    root = pffs_root(top)
+    if root is None:
+        raise PffsError(f"{top}: not inside a mounted pffs" + ("" if args.path else " (give a folder of one)"))
+    if args.path is None:
+        top = root
+    if not top.exists():
+        raise PffsError(f"{top}: no such file or directory")
+    if not top.is_dir():
+        raise PffsError(f"{top}: not a directory")
+    found = list(read_sessions(top, root))
+    tree = prefixes.build((s.name, s.pages, s.tokens) for s in found)
+    differ = sum(1 for s in found if s.differ)
+    missing = sum(1 for s in found if s.missing)
+    title = args.path or str(top)
+    if args.svg is None:
+        rows = prefixes.layout(tree, 60 if args.lines is None else args.lines)
+        _write_out("\n".join(tree_text.draw(title, tree, rows, differ=differ, missing=missing)) + "\n")
+        return 0
+    rows = prefixes.layout(tree, 1000 if args.lines is None else args.lines)
+    svg = tree_svg.draw(title, tree, rows, differ=differ, missing=missing)
+    if args.svg == "-":
+        _write_out(svg)
+        return 0
+    with open(args.svg, "w") as f:
+        f.write(svg)
+    shown = sum(1 for r in prefixes.walk_rows(rows) if r.kind in ("leaf", "end"))
+    print(f"{args.svg}: {tree_text.sessions(tree.n_sessions)}, {shown} drawn by name")
+    return 0
+
+
 def cmd_mount(args) -> int:
     if args.foreground and args.own_process:
         from pffs.daemon import heap
@@ -343,6 +391,15 @@ def _prune_args(s) -> None:
     s.set_defaults(func=cmd_prune)
 
 
+def _tree_args(s) -> None:
+    s.add_argument("path", nargs="?", help="a folder in a mounted pffs (default: the root of the mount"
+                   " holding the current folder)")
+    s.add_argument("--svg", metavar="FILE", help="write the tree as a standalone SVG picture ('-': stdout)")
+    s.add_argument("--lines", type=int, metavar="N", help="show at most N lines below the first, the"
+                   " biggest branches first (default 60; 1000 in the SVG; 0: all)")
+    s.set_defaults(func=cmd_tree)
+
+
 def _remote(name: str):
     """A command of pffs.bucket.transfer, imported when it runs (S3 clients are slow to import)."""
     def run(args):
@@ -395,6 +452,7 @@ COMMANDS = [
     ("check", "check an unmounted store for damage", _check_args),
     ("gc", "remove blobs no file holds and no manifest lists (mounted or not)", _gc_args),
     ("prune", "remove old sessions under a folder of a mounted pffs, then gc", _prune_args),
+    ("tree", "draw the sessions under a folder as the tree of the page prefixes they share", _tree_args),
     ("push", "publish a session's manifest to the S3 bucket (no page bytes move)", _push_args),
     ("pull", "make a session published in the bucket appear in a mount", _pull_args),
     ("ls-remote", "list the sessions published in the bucket", _ls_remote_args),

@@ -23,6 +23,7 @@ SAMPLES = [
     ["check", "--read-data", "--repair", "--store", "/s"],
     ["gc", "--dry-run", "--grace", "0"],
     ["prune", "/p", "--keep-last", "2"],
+    ["tree", "/p", "--svg", "t.svg", "--lines", "10"],
     ["push", "s", "n", "--force"],
     ["pull", "n", "/d"],
     ["ls-remote", "--json"],
