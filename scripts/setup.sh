@@ -8,7 +8,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 need=()
-for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc patch; do
+for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc patch attr mount; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -407,6 +407,12 @@ class Daemon:
 
     async def finish(self) -> None:
         """Once the nursery is done: commit what is staged, make the blobs durable."""
+        # Unmounted, or unmounting: a SIGTERM from now on (systemd signalling
+        # what is left of a mount unit's processes after its umount, or the
+        # last round at shutdown) would only cut the commits and the snapshot
+        # short.  (SIGKILL still ends a daemon that does not.)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         with trio.CancelScope(shield=True):
             await self.handlers.files.commit_all()
             await self.handlers.content.sync_pending()
