@@ -251,7 +251,8 @@ def _mount_args(s) -> None:
                    " cache (default under $XDG_CACHE_HOME/pffs)")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", default=[], metavar="OPTS",
-                   help="allow_other, cache_size=SIZE, max_size=SIZE, codec=NAME; for S3 also"
+                   help="allow_other, ro, cache_size=SIZE, max_size=SIZE, codec=NAME, sync=close;"
+                   " mount(8)'s (noatime, nodev, nosuid, nofail, ...); for S3 also"
                    " endpoint=URL, region=, access_key=, secret_key=, s3_timeout=SECONDS, lease=AGE")
     s.add_argument("mountpoint")
     s.set_defaults(func=cmd_mount)

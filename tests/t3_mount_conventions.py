@@ -297,7 +297,7 @@ def test_a_read_only_mount_reads_and_changes_nothing(mount_factory, bf16_pages, 
 
 
 def test_a_read_only_mount_of_no_store_is_refused(tmp_path):
-    """-o ro makes no store: one line, nothing mounted, nothing created."""
+    """-o ro makes no store: one line, nothing mounted, no namespace made."""
     (tmp_path / "mnt").mkdir()
     r = pffs("mount", "--store", tmp_path / "empty", "-o", "ro", tmp_path / "mnt", check=False)
     assert r.returncode == 1 and "no pffs store here (a read-only mount needs one)" in r.stderr, r.stderr

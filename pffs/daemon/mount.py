@@ -29,7 +29,6 @@ import trio
 
 from pffs import namespace
 from pffs.daemon import heap
-from pffs.daemon.readonly import PrivateNamespace
 from pffs.errors import PffsError
 from pffs.fs.write_stage import journal_inode
 from pffs.names import FS_SUBTYPE
@@ -41,6 +40,7 @@ if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport 
 
 if TYPE_CHECKING:
     from pffs.bucket.lease import RemoteMount
+    from pffs.daemon.readonly import PrivateNamespace
     from pffs.fs.db import Database
     from pffs.fs.operations import Handlers
     from pffs.live.server import LiveEngines
@@ -266,7 +266,10 @@ class Daemon:
         if not ro and opts.reserve > 0 and free_bytes(st.root) < opts.reserve // 4:
             reserve.release()  # mounting a full store: room to open the database and delete
         # A read-only mount serves a copy of the namespace (pffs.daemon.readonly).
-        private = PrivateNamespace.copy(st) if ro else None
+        private = None
+        if ro:
+            from pffs.daemon.readonly import PrivateNamespace
+            private = PrivateNamespace.copy(st)
         db_root = st.root if private is None else private.folder
         try:
             return cls._open(st, mountpoint, opts, nursery, reserve=reserve, db_root=db_root,

@@ -403,8 +403,8 @@ class Files:
         self.size_ok(of.ino, end, "fallocate")
         st = self.inodes.states[of.ino]
         async with st.lock:
-            if st.staging is None and st.blocks is not None and end <= st.size:
-                return
+            if st.staging is None and end <= ns.get_inode(self.db.ro, of.ino).size:
+                return      # (nothing staged: the namespace has its size)
             stg = st.staging or await self._load_staging(of.ino, st)
             if end <= stg.size:
                 return

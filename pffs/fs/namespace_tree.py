@@ -308,15 +308,15 @@ class NamespaceTree(Tree):
             raise FUSEError(errno.EINVAL)
         return await self.files.copy_range(fh_in, off_in, fh_out, off_out, length)
 
-    async def fallocate(self, fh: FileHandleT, mode: int, off: int, length: int) -> None:
-        """Mode 0 only: the file grows to *off* + *length* where it is shorter, the
+    async def fallocate(self, fh: FileHandleT, mode: int, offset: int, length: int) -> None:
+        """Mode 0 only: the file grows to *offset* + *length* where it is shorter, the
         new bytes a hole (which costs nothing, so nothing is reserved either).
         Keeping the size, punching or zeroing a range: EOPNOTSUPP."""
         if mode != 0:
             log.info("fallocate %s: mode %#x refused (pffs grows a file, mode 0, and no other)",
                      self.files.path_of_handle(fh), mode)
             raise FUSEError(errno.EOPNOTSUPP)
-        await self.files.allocate(fh, off + length)
+        await self.files.allocate(fh, offset + length)
 
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         await self.files.fsync(fh, datasync)

@@ -316,12 +316,12 @@ class Operations(pyfuse3.Operations):
         return done
 
     @handler
-    async def fallocate(self, fh: FileHandleT, mode: int, off: int, length: int) -> None:
+    async def fallocate(self, fh: FileHandleT, mode: int, offset: int, length: int) -> None:
         self._changes()
         # (Only pyfuse3 built with third_party/pyfuse3's patch sends it.)
         if not FALLOCATE:
             raise FUSEError(errno.ENOSYS)     # the kernel answers EOPNOTSUPP from now on
-        await self._by_fh(fh).fallocate(fh, mode, off, length)
+        await self._by_fh(fh).fallocate(fh, mode, offset, length)
 
     @handler
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
