@@ -569,8 +569,7 @@ def test_a_read_only_mount_refuses_every_change_in_its_handlers(tmp_path):
         out["read"] = bytes(await ro.ops.read(fh, 0, 10))
         await ro.ops.release(fh)
         out["xattr"] = await ro.ops.getxattr(f, b"user.tag", Ctx())
-        sa = pyfuse3.SetattrFields()
-        sa.update_mode = True
+        sa = pyfuse3.SetattrFields()        # (refused before its fields are looked at)
         wfh = (await rw.ops.open(f, os.O_WRONLY, Ctx())).fh     # (a handle the kernel would not give)
         calls = {
             "create": lambda: ro.ops.create(R, b"g", 0o100644, os.O_WRONLY, Ctx()),
