@@ -375,12 +375,15 @@ class Files:
                      size, ns.MAX_FILE_SIZE)
             raise FUSEError(errno.EFBIG)
 
-    async def truncate(self, ino: int, size: int, ctx: RequestContext) -> None:
+    async def truncate(self, ino: int, size: int, ctx: RequestContext | OpenFile, grow: bool = False) -> None:
+        """Stage the file at *size* bytes (*grow*: only where it is shorter, as fallocate)."""
         st = self.inodes.state(ino)
         st.opens += 1  # hold the state while we work
         try:
             async with st.lock:
                 stg = st.staging or await self._load_staging(ino, st)
+                if grow and size <= stg.size:
+                    return
                 # (The blocks cut or grown into; none past the new end.)
                 await self._read_in(ino, stg, min(size, stg.size),
                                     min(max(size, stg.size), -(-size // BLOCK_SIZE) * BLOCK_SIZE))
@@ -393,29 +396,6 @@ class Files:
         finally:
             st.opens -= 1
             await self._drop_state_if_idle(ino)
-
-    async def allocate(self, fh: int, end: int) -> None:
-        """fallocate(2)'s mode 0 through handle *fh*: the file grows to *end* bytes
-        where it is shorter (a hole, as a truncate up makes), else nothing changes."""
-        of = self.handles[fh]
-        if not of.writable:
-            raise FUSEError(errno.EBADF)
-        self.size_ok(of.ino, end, "fallocate")
-        st = self.inodes.states[of.ino]
-        async with st.lock:
-            if st.staging is None and end <= ns.get_inode(self.db.ro, of.ino).size:
-                return      # (nothing staged: the namespace has its size)
-            stg = st.staging or await self._load_staging(of.ino, st)
-            if end <= stg.size:
-                return
-            # (As a truncate up: the block that held the old end is read in.)
-            await self._read_in(of.ino, stg, stg.size, end)
-            await trio.to_thread.run_sync(stg.truncate, end)
-            stg.mtime_ns = ns.now_ns()
-
-    def path_of_handle(self, fh: int) -> str:
-        of = self.handles.get(fh)
-        return self.inodes.path_of(of.ino) if of is not None else f"file handle {fh}"
 
     async def commit(self, ino: int, st: InodeState, check_manifest: bool = True) -> None:
         """Hash, compress and store the staged bytes, then point the inode at them.

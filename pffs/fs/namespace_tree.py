@@ -312,11 +312,15 @@ class NamespaceTree(Tree):
         """Mode 0 only: the file grows to *offset* + *length* where it is shorter, the
         new bytes a hole (which costs nothing, so nothing is reserved either).
         Keeping the size, punching or zeroing a range: EOPNOTSUPP."""
+        of = self.files.handles[fh]     # (open for writing: the kernel checks)
         if mode != 0:
             log.info("fallocate %s: mode %#x refused (pffs grows a file, mode 0, and no other)",
-                     self.files.path_of_handle(fh), mode)
+                     self.path_of(of.ino), mode)
             raise FUSEError(errno.EOPNOTSUPP)
-        await self.files.allocate(fh, offset + length)
+        end = offset + length
+        self.files.size_ok(of.ino, end, "fallocate")
+        if end > self.files.size_and_mtime(ns.get_inode(self.db.ro, of.ino))[0]:
+            await self.files.truncate(of.ino, end, of, grow=True)
 
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         await self.files.fsync(fh, datasync)
