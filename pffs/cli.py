@@ -319,7 +319,8 @@ def _mount_args(s) -> None:
                    " cache (default under $XDG_CACHE_HOME/pffs)")
     s.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     s.add_argument("-o", action="append", default=[], metavar="OPTS",
-                   help="allow_other, cache_size=SIZE, max_size=SIZE, codec=NAME; for S3 also"
+                   help="allow_other, ro, cache_size=SIZE, max_size=SIZE, codec=NAME, sync=close;"
+                   " mount(8)'s (noatime, nodev, nosuid, nofail, ...); for S3 also"
                    " endpoint=URL, region=, access_key=, secret_key=, s3_timeout=SECONDS, lease=AGE")
     s.add_argument("mountpoint")
     s.set_defaults(func=cmd_mount)
@@ -468,7 +469,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """
     import argparse
     p = argparse.ArgumentParser(prog="pffs", description=__doc__ and
-                                "KV caches as files: mount, inspect, fork and back up LLM KV caches.")
+                                "KV caches as files: mount, inspect, fork and back up LLM KV caches.",
+                                epilog="pffs STORE MOUNTPOINT -o OPTS mounts as pffs mount --store STORE"
+                                " does: the form mount -t fuse.pffs and an fstab line run.")
     p.add_argument("--version", action="version", version=f"pffs {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     # The top level's only options (-h, --version) take no value: the first
@@ -481,16 +484,63 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
+class _HelperArgs:
+    """``pffs STORE MOUNTPOINT -o OPTS``, as ``pffs mount`` would take it (see
+    :func:`helper_args`)."""
+
+    cmd, func, cache = "mount", staticmethod(cmd_mount), None
+
+    def __init__(self, store: str, mountpoint: str, o: list[str], foreground: bool):
+        self.store, self.mountpoint, self.o, self.foreground = store, mountpoint, o, foreground
+        self.own_process = False
+
+
+def helper_args(argv: list[str]) -> _HelperArgs | None:
+    """The command line mount(8) runs for a ``fuse.pffs`` mount (``mount -t
+    fuse.pffs STORE MOUNTPOINT -o OPTS``, an fstab line), through mount.fuse3:
+    ``pffs STORE MOUNTPOINT -o OPTS``; None for any other.
+
+    mount.fuse3 always gives ``-o`` (it adds dev and suid, or nodev and nosuid
+    are there), and STORE is a path with a slash in it or an s3:// URL: so a
+    mistyped command (``pffs mout /mnt``) is still one.
+    """
+    words: list[str] = []
+    opts: list[str] = []
+    foreground = False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-o" and i + 1 < len(argv):
+            opts.append(argv[i + 1])
+            i += 1
+        elif a.startswith("-o") and len(a) > 2:
+            opts.append(a[2:])
+        elif a in ("-f", "--foreground"):
+            foreground = True
+        elif a.startswith("-"):
+            return None
+        else:
+            words.append(a)
+        i += 1
+    if len(words) != 2 or not opts or "/" not in words[0] or any(words[0] == name for name, _, _ in COMMANDS):
+        return None
+    return _HelperArgs(words[0], words[1], opts, foreground)
+
+
 def main(argv: list[str] | None = None) -> int:
     own_process = argv is None     # (this process's command line: cmd_mount may run it again)
     if argv is None:
         argv = sys.argv[1:]
-    args: argparse.Namespace | _ForkArgs
+    args: argparse.Namespace | _ForkArgs | _HelperArgs
+    helper = helper_args(argv)
     if len(argv) == 3 and argv[0] == "fork" and not any(a.startswith("-") for a in argv[1:]):
         # The command scripts run most and a restore waits on, parsed
         # without argparse: it and what it imports (re, gettext, typing)
         # took longer than Python's own start (docs/performance.md).
         args = _ForkArgs(argv[1], argv[2])
+    elif helper is not None:
+        args = helper
+        helper.own_process = own_process
     else:
         parser = build_parser(argv)
         args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 need=()
-for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc patch librsvg2-bin; do
+for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc patch librsvg2-bin attr mount; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -38,7 +38,7 @@ fi
 # pyfuse3 built from its source with the patch in third_party/pyfuse3 (its
 # README says what and why); the wheel is kept in .venv for the next set-up.
 PYFUSE3=3.5.0
-PYFUSE3_PATCH=4     # (the PFFS_PATCH the patch sets: a build below it is made again)
+PYFUSE3_PATCH=5     # (the PFFS_PATCH the patch sets: a build below it is made again)
 if ! .venv/bin/python -c "import pyfuse3, sys; sys.exit(getattr(pyfuse3, 'PFFS_PATCH', 0) < $PYFUSE3_PATCH)" 2>/dev/null; then
     wheels=.venv/pffs-wheels/patch-$PYFUSE3_PATCH
     if ! ls "$wheels"/pyfuse3-$PYFUSE3-*.whl >/dev/null 2>&1; then

@@ -89,3 +89,39 @@ def test_fork_imports_nothing_heavy(tmp_path):
 def test_a_load_request_names_any_path_as_json_does(s):
     assert json.loads(_json_str(s)) == s
     assert json.loads('{"session": %s}' % _json_str(s).encode().decode()) == {"session": s}
+
+
+def test_the_options_of_mount8_and_fstab_are_taken():
+    """What mount(8), fstab, systemd and habit give with -o: the kernel's flags kept
+    for the kernel's mount, ro and rw, sync and async (as sync=close and batch),
+    the rest taken as saying nothing to pffs; an unknown option named."""
+    from pffs.daemon.mount import parse_options
+    from pffs.errors import PffsError
+    o = parse_options(["rw,nosuid,nodev,noatime,allow_other,default_permissions,relatime,nofail,_netdev",
+                       "x-systemd.automount,comment=pffs,auto,noauto,user,users,defaults,sync"])
+    assert o.allow_other and not o.read_only and o.sync == "close"
+    assert o.kernel_flags == ["nosuid", "nodev", "noatime"]
+    o = parse_options(["ro,dev,suid,exec,async"])
+    assert o.read_only and o.kernel_flags == ["dev", "suid", "exec"] and o.sync == "batch"
+    assert not parse_options(["ro", "rw"]).read_only
+    assert parse_options(["sync=close"]).sync == "close"
+    for bad, says in (("bogus", "unknown mount option 'bogus'"), ("sync=now", "sync= takes batch or close"),
+                      ("fsname=x", "unknown mount option 'fsname'")):
+        with pytest.raises(PffsError) as e:
+            parse_options([bad])
+        assert str(e.value) == says
+
+
+def test_the_command_line_mount_fuse3_runs_is_pffs_mount():
+    """`pffs STORE MOUNTPOINT -o OPTS` (what mount -t fuse.pffs and fstab run) is
+    `pffs mount --store STORE -o OPTS MOUNTPOINT`; nothing else is taken for it."""
+    a = cli.helper_args(["/srv/kv", "/mnt/kv", "-o", "rw,noatime,dev,suid"])
+    assert a is not None and a.func is cli.cmd_mount
+    assert (a.cmd, a.store, a.mountpoint, a.o, a.foreground, a.cache) == \
+        ("mount", "/srv/kv", "/mnt/kv", ["rw,noatime,dev,suid"], False, None)
+    b = cli.helper_args(["s3://bucket/kv", "/m", "-oro", "-o", "allow_other", "-f"])
+    assert b is not None and (b.store, b.o, b.foreground) == ("s3://bucket/kv", ["ro", "allow_other"], True)
+    for argv in (["frok", "a", "b"], ["mout", "/m", "-o", "rw"], ["stats", "/m", "-o", "rw"], ["/s", "/m"],
+                 ["/s", "/m", "-o"], ["/s", "/m", "--store", "/x", "-o", "rw"], ["/s", "/m", "/n", "-o", "rw"],
+                 ["mount", "/m", "-o", "rw"]):
+        assert cli.helper_args(argv) is None, argv

@@ -538,3 +538,77 @@ def test_a_change_made_on_the_event_loop_never_waits_for_a_lock(ops):
     assert ran_meanwhile == [True]
     assert db.counts == {"on_loop": 4, "by_writer": 1, "timeout_switches": 4}
     assert ns.lookup(db.ro, ns.ROOT_INODE, b"g") == ino
+
+
+def test_a_read_only_mount_refuses_every_change_in_its_handlers(tmp_path):
+    """-o ro: the kernel refuses changes with EROFS before it asks; whatever would
+    reach the handlers anyway is refused there too, and nothing changes.
+    Reads, listings and extended attributes are served as ever."""
+    import errno
+
+    import pyfuse3
+    store = StoreDir(tmp_path / "store")
+    store.create()
+    ns.open_db(store.root).close()
+    db = Database(store.db_path)
+    content = ContentStore(store.blobs, store.staging_dir)
+    rw = build(db, content, nursery=None)
+    ro = build(db, content, nursery=None, read_only=True)
+    R = ns.ROOT_INODE
+    out: dict = {}
+
+    async def main():
+        info, attr = await rw.ops.create(R, b"f", 0o100644, os.O_WRONLY, Ctx())
+        await rw.ops.write(info.fh, 0, b"data")
+        await rw.ops.release(info.fh)
+        d = await rw.ops.mkdir(R, b"d", 0o755, Ctx())
+        await rw.ops.setxattr(attr.st_ino, b"user.tag", b"v1", Ctx())
+        f = attr.st_ino
+        before = db.ro.execute("SELECT COUNT(*), MAX(ctime_ns) FROM inodes").fetchone()
+        fh = (await ro.ops.open(f, os.O_RDONLY, Ctx())).fh
+        out["read"] = bytes(await ro.ops.read(fh, 0, 10))
+        await ro.ops.release(fh)
+        out["xattr"] = await ro.ops.getxattr(f, b"user.tag", Ctx())
+        sa = pyfuse3.SetattrFields()        # (refused before its fields are looked at)
+        wfh = (await rw.ops.open(f, os.O_WRONLY, Ctx())).fh     # (a handle the kernel would not give)
+        calls = {
+            "create": lambda: ro.ops.create(R, b"g", 0o100644, os.O_WRONLY, Ctx()),
+            "open for writing": lambda: ro.ops.open(f, os.O_RDWR, Ctx()),
+            "open O_TRUNC": lambda: ro.ops.open(f, os.O_RDONLY | os.O_TRUNC, Ctx()),
+            "write": lambda: ro.ops.write(wfh, 0, b"x"),
+            "fallocate": lambda: ro.ops.fallocate(wfh, 0, 0, 100),
+            "copy_file_range": lambda: ro.ops.copy_file_range(wfh, 0, wfh, 10, 4, 0),
+            "setattr": lambda: ro.ops.setattr(f, attr, sa, None, Ctx()),
+            "mkdir": lambda: ro.ops.mkdir(R, b"e", 0o755, Ctx()),
+            "mknod": lambda: ro.ops.mknod(R, b"p", 0o010644, 0, Ctx()),
+            "symlink": lambda: ro.ops.symlink(R, b"s", b"f", Ctx()),
+            "unlink": lambda: ro.ops.unlink(R, b"f", Ctx()),
+            "rmdir": lambda: ro.ops.rmdir(R, b"d", Ctx()),
+            "rename": lambda: ro.ops.rename(R, b"f", R, b"h", 0, Ctx()),
+            "link": lambda: ro.ops.link(f, d.st_ino, b"l", Ctx()),
+            "setxattr": lambda: ro.ops.setxattr(f, b"user.tag", b"v2", Ctx()),
+            "removexattr": lambda: ro.ops.removexattr(f, b"user.tag", Ctx()),
+        }
+        out["refused"] = {}
+        for what, call in calls.items():
+            try:
+                await call()
+                out["refused"][what] = 0
+            except pyfuse3.FUSEError as e:
+                out["refused"][what] = e.errno
+        await rw.ops.release(wfh)
+        out["same"] = db.ro.execute("SELECT COUNT(*), MAX(ctime_ns) FROM inodes").fetchone() == before
+        out["names"] = sorted(n for n, in db.ro.execute("SELECT name FROM dentries WHERE parent=?", (R,)))
+        out["bytes"] = ns.read_file(db.ro, content.blobs, f)
+        out["tag"] = ns.get_xattr(db.ro, f, b"user.tag")
+    try:
+        trio.run(main)
+    finally:
+        content.workers.stop()
+        rw.stop()
+        ro.stop()
+        db.close()
+    assert out["read"] == b"data" and out["xattr"] == b"v1"
+    assert out["refused"] == {what: errno.EROFS for what in out["refused"]}
+    assert out["same"] and out["names"] == [b"d", b"f"]
+    assert out["bytes"] == b"data" and out["tag"] == b"v1"

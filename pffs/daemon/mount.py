@@ -40,6 +40,7 @@ if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport 
 
 if TYPE_CHECKING:
     from pffs.bucket.lease import RemoteMount
+    from pffs.daemon.readonly import PrivateNamespace
     from pffs.fs.db import Database
     from pffs.fs.operations import Handlers
     from pffs.live.server import LiveEngines
@@ -64,6 +65,23 @@ class MountOptions:
     sync: str = "batch"   # "batch": grouped blob fsyncs every SYNC_INTERVAL; "close": at every close
     reserve: int = 16 << 20  # disk space held back so deletions commit on a full disk (pffs.store.reserve)
     remote: dict = field(default_factory=dict)  # S3 client and lease options (pffs.store.s3.OPTIONS)
+    read_only: bool = False  # -o ro: serves reads, changes nothing in the store (pffs.daemon.readonly)
+    kernel_flags: list[str] = field(default_factory=list)  # of KERNEL_FLAGS, for the kernel's mount
+
+
+# mount(8)'s flags that libfuse (3.14 on) hands the kernel's mount as given:
+# mount.fuse3 adds dev and suid unless told nodev or nosuid (pffs mount alone:
+# nodev,nosuid).
+KERNEL_FLAGS = frozenset({"dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime", "noatime", "dirsync"})
+# Options that change nothing in pffs, taken so that an fstab line, systemd or
+# habit (sshfs) may give them: mount(8)'s and systemd's own (auto, nofail,
+# _netdev, user, ..., and x-* and comment=, below); what pffs always does
+# (default_permissions); atime policies, as FUSE leaves atimes to pffs,
+# which changes one only when told (touch -a).
+IGNORED = frozenset({"defaults", "default_permissions", "auto", "noauto", "nofail", "_netdev", "user", "users",
+                     "nouser", "owner", "group", "silent", "loud", "relatime", "norelatime", "strictatime",
+                     "nostrictatime", "diratime", "nodiratime", "lazytime", "nolazytime"})
+IGNORED_PREFIXES = ("x-", "comment=")
 
 
 def parse_size(text: str) -> int:
@@ -80,6 +98,8 @@ def _s3_options() -> tuple[str, ...]:
 
 
 def parse_options(opts: list[str]) -> MountOptions:
+    """``-o`` options (each a comma-separated list): pffs's own, and those of
+    mount(8) and fstab (KERNEL_FLAGS, IGNORED); PffsError naming one unknown."""
     o = MountOptions()
     for group in opts:
         for item in group.split(","):
@@ -102,10 +122,21 @@ def parse_options(opts: list[str]) -> MountOptions:
                 o.codec = val
             elif key == "staging_memory":
                 o.staging_memory = parse_size(val)
-            elif key == "sync":
+            elif key == "sync" and "=" in item:
                 if val not in ("batch", "close"):
                     raise PffsError("sync= takes batch or close")
                 o.sync = val
+            elif item in ("sync", "async"):
+                # mount(8)'s: a close returns once its bytes are durable, or
+                # (async, the default) within SYNC_INTERVAL.  Not the kernel's
+                # flag, which would fsync at every write(2).
+                o.sync = "close" if item == "sync" else "batch"
+            elif item in ("ro", "rw"):
+                o.read_only = item == "ro"
+            elif item in KERNEL_FLAGS:
+                o.kernel_flags.append(item)
+            elif item in IGNORED or item.startswith(IGNORED_PREFIXES):
+                pass
             elif key == "snapshot_interval":
                 o.snapshot_interval = float(val)
             elif key == "reserve":
@@ -197,7 +228,8 @@ class Daemon:
 
     def __init__(self, store: StoreDir, mountpoint: Path, opts: MountOptions, *, reserve: SpaceReserve,
                  db: Database, handlers: Handlers, live: LiveEngines, remote: RemoteMount | None,
-                 journals: list[str], trim_heaps: Callable[[], None] | None):
+                 journals: list[str], private: PrivateNamespace | None,
+                 trim_heaps: Callable[[], None] | None):
         self.store = store
         self.mountpoint = mountpoint
         self.opts = opts
@@ -207,6 +239,7 @@ class Daemon:
         self.live = live              # the engine socket (engines/ is the handlers')
         self.remote = remote          # of an S3 store
         self.journals = journals      # fsynced bytes of the previous run, replayed before serving
+        self.private = private        # a read-only mount's copy of the namespace (pffs.daemon.readonly)
         self.trim_heaps = trim_heaps  # (see heap.fix_malloc)
 
     @classmethod
@@ -217,23 +250,48 @@ class Daemon:
         (opened first, by the caller).  PffsError, OSError or RuntimeError
         (pyfuse3.init) where the mount cannot be made.  *store* is the
         daemon's (``StoreDir(..., reserve=..., mounted=True)``)."""
+        from pffs.store.reserve import free_bytes
+
+        check_mountpoint(mountpoint)
+        st = store
+        ro = opts.read_only
+        if ro and st.url is not None:
+            raise PffsError("-o ro is for a local store (a mount of an S3 store keeps its lease in the bucket)")
+        if not ro:
+            st.create()
+        st.lock(f"pffs mount{' -o ro' if ro else ''} {mountpoint}")
+        reserve = st.reserve
+        if reserve is None:
+            raise RuntimeError("a mount's store holds a reserve (StoreDir(..., reserve=...))")
+        if not ro and opts.reserve > 0 and free_bytes(st.root) < opts.reserve // 4:
+            reserve.release()  # mounting a full store: room to open the database and delete
+        # A read-only mount serves a copy of the namespace (pffs.daemon.readonly).
+        private = None
+        if ro:
+            from pffs.daemon.readonly import PrivateNamespace
+            private = PrivateNamespace.copy(st)
+        db_root = st.root if private is None else private.folder
+        try:
+            return cls._open(st, mountpoint, opts, nursery, reserve=reserve, db_root=db_root,
+                             private=private, trim_heaps=trim_heaps)
+        except BaseException:
+            if private is not None:
+                private.remove()
+            raise
+
+    @classmethod
+    def _open(cls, st: StoreDir, mountpoint: Path, opts: MountOptions, nursery: trio.Nursery, *,
+              reserve: SpaceReserve, db_root: Path, private: PrivateNamespace | None,
+              trim_heaps: Callable[[], None] | None) -> Daemon:
+        """Daemon.open's work once the store is locked; its namespace in *db_root*."""
         from pffs.fs import adoption as direct
         from pffs.fs.content import ContentStore, StoredBytes
         from pffs.fs.db import Database
         from pffs.fs.operations import SPIN, build, spin_us
         from pffs.live.server import LiveEngines
-        from pffs.store.reserve import free_bytes
 
-        check_mountpoint(mountpoint)
-        st = store
-        st.create()
-        st.lock(f"pffs mount {mountpoint}")
-        reserve = st.reserve
-        if reserve is None:
-            raise RuntimeError("a mount's store holds a reserve (StoreDir(..., reserve=...))")
-        if opts.reserve > 0 and free_bytes(st.root) < opts.reserve // 4:
-            reserve.release()  # mounting a full store: room to open the database and delete
-        conn = namespace.open_db(st.root)
+        ro = opts.read_only
+        conn = namespace.open_db(db_root)
         try:
             with namespace.transaction(conn):
                 n = namespace.cleanup_orphans(conn)
@@ -245,15 +303,24 @@ class Daemon:
         # Spill files of the previous run: a journal file holds fsynced bytes
         # (replayed before serving); any other was never fsynced.
         journals = []
-        for p in sorted(st.staging_dir.iterdir()):
+        for p in sorted(st.staging_dir.iterdir()) if st.staging_dir.is_dir() else ():
             if journal_inode(p.name) is not None:
                 journals.append(str(p))
-            else:
+            elif not ro:
                 p.unlink()
-        for p in st.blobs.temp_files():
-            p.unlink()
-        db = Database(st.db_path, on_full=reserve.release if opts.reserve > 0 else None)
-        reserve.ensure()
+        if ro:
+            if journals:
+                log.warning("%d files fsynced by the previous run are not committed: a read-only mount "
+                            "shows them as they were before; mount read-write once to commit them",
+                            len(journals))
+            journals = []
+        else:
+            for p in st.blobs.temp_files():
+                p.unlink()
+        db = Database(db_root / namespace.DB_NAME,
+                      on_full=reserve.release if opts.reserve > 0 and not ro else None)
+        if not ro:
+            reserve.ensure()
         sync_on_close = opts.sync == "close" or st.url is not None
         pending = PutBatch()
         counted = StoredBytes(stored)
@@ -281,19 +348,23 @@ class Daemon:
                          staging_memory=opts.staging_memory, journal_fsync=st.url is None,
                          live_mount=str(mountpoint), socket_path=str(st.socket_path),
                          store_root=str(st.root),
-                         store_json=direct.store_json(direct.store_info(st, opts.max_size)))
+                         store_json=direct.store_json(direct.store_info(st, opts.max_size, read_only=ro)),
+                         read_only=ro)
         assert handlers.engines is not None     # (live_mount given)
         live = LiveEngines.listen(st.socket_path, handlers.engines.registry)
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {f"fsname=pffs:{st.root}", f"subtype={FS_SUBTYPE}", "default_permissions"}
+        fuse_opts |= set(opts.kernel_flags)
+        if ro:
+            fuse_opts.add("ro")
         if opts.allow_other:
             fuse_opts.add("allow_other")
         pyfuse3.init(handlers.ops, str(mountpoint), fuse_opts)
         if SPIN:
             pyfuse3.set_spin(spin_us() * 1000)
-        log.info("mounted %s on %s (pid %d)", st.root, mountpoint, os.getpid())
+        log.info("mounted %s on %s%s (pid %d)", st.root, mountpoint, " read-only" if ro else "", os.getpid())
         return cls(st, mountpoint, opts, reserve=reserve, db=db, handlers=handlers, live=live,
-                   remote=remote, journals=journals, trim_heaps=trim_heaps)
+                   remote=remote, journals=journals, private=private, trim_heaps=trim_heaps)
 
     def _widen_readahead(self) -> None:
         """Let the kernel read ahead up to 1 MiB (a whole page file in one request).
@@ -315,10 +386,13 @@ class Daemon:
         the session (an unmount, a signal); then cancel *nursery*."""
         nursery.start_soon(self.handlers.invalidate.run)
         nursery.start_soon(self._signals)
-        nursery.start_soon(self._periodic)
+        if self.private is None:
+            # (A read-only mount stores nothing: no blob to sync, no commit
+            # to checkpoint or snapshot, no reserve to keep.)
+            nursery.start_soon(self._periodic)
+            nursery.start_soon(self._syncer)
         if self.trim_heaps is not None:
             nursery.start_soon(self._trim_heaps)
-        nursery.start_soon(self._syncer)
         # stat() of the mount needs the loop to answer: do it from a thread.
         nursery.start_soon(trio.to_thread.run_sync, self._widen_readahead)
         nursery.start_soon(self.live.serve)
@@ -336,6 +410,12 @@ class Daemon:
 
     async def finish(self) -> None:
         """Once the nursery is done: commit what is staged, make the blobs durable."""
+        # Unmounted, or unmounting: a SIGTERM from now on (systemd signalling
+        # what is left of a mount unit's processes after its umount, or the
+        # last round at shutdown) would only cut the commits and the snapshot
+        # short.  (SIGKILL still ends a daemon that does not.)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         with trio.CancelScope(shield=True):
             await self.handlers.files.commit_all()
             await self.handlers.content.sync_pending()
@@ -394,8 +474,11 @@ class Daemon:
         if self.remote is not None:
             self.remote.stop()
         self.live.close()
-        self.snapshot()
+        if self.private is None:
+            self.snapshot()
         self.db.close()
+        if self.private is not None:
+            self.private.remove()
         self.store.unlock()
         log.info("unmounted %s", self.mountpoint)
 

@@ -41,7 +41,7 @@ from pffs.types import Digest, is_digest
 log = logging.getLogger("pffs.fs")
 
 
-def store_info(store: StoreDir, max_size: int | None) -> dict:
+def store_info(store: StoreDir, max_size: int | None, *, read_only: bool = False) -> dict:
     """The content of ``.pffs/store.json``: where the store is and whether a client
     may use it directly (``direct``; else ``reason`` says why not).
 
@@ -66,6 +66,8 @@ def store_info(store: StoreDir, max_size: int | None) -> dict:
     reason = None
     if max_size is not None:
         reason = "the mount has a store limit (max_size), which only the daemon enforces"
+    if read_only:
+        reason = "the mount is read-only"
     info["direct"] = reason is None
     if reason is not None:
         info["reason"] = reason

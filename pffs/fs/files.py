@@ -375,12 +375,15 @@ class Files:
                      size, ns.MAX_FILE_SIZE)
             raise FUSEError(errno.EFBIG)
 
-    async def truncate(self, ino: int, size: int, ctx: RequestContext) -> None:
+    async def truncate(self, ino: int, size: int, ctx: RequestContext | OpenFile, grow: bool = False) -> None:
+        """Stage the file at *size* bytes (*grow*: only where it is shorter, as fallocate)."""
         st = self.inodes.state(ino)
         st.opens += 1  # hold the state while we work
         try:
             async with st.lock:
                 stg = st.staging or await self._load_staging(ino, st)
+                if grow and size <= stg.size:
+                    return
                 # (The blocks cut or grown into; none past the new end.)
                 await self._read_in(ino, stg, min(size, stg.size),
                                     min(max(size, stg.size), -(-size // BLOCK_SIZE) * BLOCK_SIZE))

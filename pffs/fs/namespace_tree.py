@@ -308,6 +308,20 @@ class NamespaceTree(Tree):
             raise FUSEError(errno.EINVAL)
         return await self.files.copy_range(fh_in, off_in, fh_out, off_out, length)
 
+    async def fallocate(self, fh: FileHandleT, mode: int, offset: int, length: int) -> None:
+        """Mode 0 only: the file grows to *offset* + *length* where it is shorter, the
+        new bytes a hole (which costs nothing, so nothing is reserved either).
+        Keeping the size, punching or zeroing a range: EOPNOTSUPP."""
+        of = self.files.handles[fh]     # (open for writing: the kernel checks)
+        if mode != 0:
+            log.info("fallocate %s: mode %#x refused (pffs grows a file, mode 0, and no other)",
+                     self.path_of(of.ino), mode)
+            raise FUSEError(errno.EOPNOTSUPP)
+        end = offset + length
+        self.files.size_ok(of.ino, end, "fallocate")
+        if end > self.files.size_and_mtime(ns.get_inode(self.db.ro, of.ino))[0]:
+            await self.files.truncate(of.ino, end, of, grow=True)
+
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         await self.files.fsync(fh, datasync)
 

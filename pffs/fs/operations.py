@@ -71,6 +71,9 @@ log = logging.getLogger("pffs.fs")
 # pyfuse3 built with third_party/pyfuse3's patch answers copy_file_range
 # (PFFS_STOCK_PYFUSE3=1: as if it were not).
 COPY_RANGE = hasattr(pyfuse3.Operations, "copy_file_range") and not os.environ.get("PFFS_STOCK_PYFUSE3")
+# pyfuse3 built with the patch's fifth part sends fallocate (without it the
+# kernel answers EOPNOTSUPP itself).
+FALLOCATE = hasattr(pyfuse3.Operations, "fallocate") and not os.environ.get("PFFS_STOCK_PYFUSE3")
 # pyfuse3 built with the patch's fourth part: after answering a request, read
 # for the next one for SPIN_US microseconds before waiting (PFFS_SPIN_US; 0: off).
 SPIN = hasattr(pyfuse3, "set_spin") and not os.environ.get("PFFS_STOCK_PYFUSE3")
@@ -145,12 +148,22 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, trees: dict[str, Tree], requests: dict[str, int], copies: dict[str, int]):
+    def __init__(self, trees: dict[str, Tree], requests: dict[str, int], copies: dict[str, int],
+                 read_only: bool = False):
         super().__init__()
         self.trees = trees
         self.namespace: NamespaceTree = trees[NAMESPACE]   # type: ignore[assignment]
         self.requests = requests   # FUSE requests served, by handler (in stats.json)
         self.copies = copies       # bytes copy_file_range shared and copied (in stats.json)
+        # A read-only mount (-o ro): the kernel refuses every change with EROFS
+        # before it asks; what reaches a handler that changes something is
+        # refused here too, so nothing changes whatever the kernel does.
+        self.read_only = read_only
+
+    def _changes(self) -> None:
+        """Before a request that changes something: EROFS on a read-only mount."""
+        if self.read_only:
+            raise FUSEError(errno.EROFS)
 
     def _by_inode(self, ino: int) -> Tree:
         if ino < VIRT_BASE:
@@ -195,6 +208,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def setattr(self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields,
                       fh: FileHandleT | None, ctx: RequestContext) -> EntryAttributes:
+        self._changes()
         return await self._by_inode(inode).setattr(inode, attr, fields, fh, ctx)
 
     @handler
@@ -204,34 +218,41 @@ class Operations(pyfuse3.Operations):
     @handler
     async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT,
                     ctx: RequestContext) -> EntryAttributes:
+        self._changes()
         return await self._by_inode(parent_inode).mkdir(parent_inode, name, mode, ctx)
 
     @handler
     async def mknod(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
+        self._changes()
         return await self._by_inode(parent_inode).mknod(parent_inode, name, mode, rdev, ctx)
 
     @handler
     async def symlink(self, parent_inode: InodeT, name: FileNameT, target: FileNameT,
                       ctx: RequestContext) -> EntryAttributes:
+        self._changes()
         return await self._by_inode(parent_inode).symlink(parent_inode, name, target, ctx)
 
     @handler
     async def create(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        self._changes()
         return await self._by_inode(parent_inode).create(parent_inode, name, mode, flags, ctx)
 
     @handler
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
+        self._changes()
         await self._by_inode(parent_inode).unlink(parent_inode, name, ctx)
 
     @handler
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
+        self._changes()
         await self._by_inode(parent_inode).rmdir(parent_inode, name, ctx)
 
     @handler
     async def rename(self, parent_inode_old: InodeT, name_old: FileNameT, parent_inode_new: InodeT,
                      name_new: FileNameT, flags: FlagT, ctx: RequestContext) -> None:
+        self._changes()
         # Between two trees: the one that is not the namespace says (engines/
         # takes sessions in by name only, .pffs/ nothing).
         tree = self._by_inode(parent_inode_old)
@@ -242,6 +263,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def link(self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT,
                    ctx: RequestContext) -> EntryAttributes:
+        self._changes()
         if self._by_inode(inode) is not self.namespace \
                 or self._by_inode(new_parent_inode) is not self.namespace:
             raise FUSEError(errno.EPERM)
@@ -251,6 +273,8 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
+        if (flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC:
+            self._changes()
         return await self._by_inode(inode).open(inode, flags, ctx)
 
     @handler  # (a memoryview of a cached blob: pyfuse3 replies from any buffer)
@@ -259,6 +283,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
+        self._changes()
         return await self._by_fh(fh).write(fh, off, buf)
 
     @handler
@@ -268,6 +293,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def copy_file_range(self, fh_in: FileHandleT, off_in: int, fh_out: FileHandleT, off_out: int,
                               length: int, flags: int) -> int:
+        self._changes()
         # (Only pyfuse3 built with third_party/pyfuse3's patch sends it.)
         if not COPY_RANGE:
             raise FUSEError(errno.ENOSYS)     # the kernel copies from now on
@@ -288,6 +314,14 @@ class Operations(pyfuse3.Operations):
         done = await copy_pieces(tree_in.read, fh_in, off_in, tree_out.write, fh_out, off_out, length)
         self.copies["copied_bytes"] += done
         return done
+
+    @handler
+    async def fallocate(self, fh: FileHandleT, mode: int, offset: int, length: int) -> None:
+        self._changes()
+        # (Only pyfuse3 built with third_party/pyfuse3's patch sends it.)
+        if not FALLOCATE:
+            raise FUSEError(errno.ENOSYS)     # the kernel answers EOPNOTSUPP from now on
+        await self._by_fh(fh).fallocate(fh, mode, offset, length)
 
     @handler
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
@@ -327,6 +361,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
+        self._changes()
         await self._by_inode(inode).setxattr(inode, name, value, ctx)
 
     @handler
@@ -345,6 +380,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
+        self._changes()
         await self._by_inode(inode).removexattr(inode, name, ctx)
 
 
@@ -380,20 +416,24 @@ class Handlers:
 
 def build(db: Database, content: ContentStore, *, nursery: trio.Nursery | None, cache_size: int = 128 << 20,
           staging_memory: int = 128 << 20, journal_fsync: bool = True, live_mount: str | None = None,
-          socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n") -> Handlers:
+          socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n",
+          read_only: bool = False) -> Handlers:
     """The handlers of a mount of *db* and *content*, their work in the
     background going to *nursery* (the daemon's, opened before anything is
     built; None: none runs, as in handler tests without a daemon); with
     *live_mount* (where the mount is, for engines told of paths in it) they
-    serve ``engines/`` too, which needs the nursery."""
+    serve ``engines/`` too, which needs the nursery.  *read_only*: every
+    change refused with EROFS."""
     if not (COPY_RANGE and NOFLUSH):
         log.info("pyfuse3 %s without third_party/pyfuse3's patch: copies within the mount move "
                  "their bytes (no copy_file_range), and a reader's close costs a FLUSH request",
                  getattr(pyfuse3, "__version__", "?"))
-    elif not SPIN:
-        log.info("pyfuse3 %s built with an older third_party/pyfuse3 patch (PFFS_PATCH %s): "
-                 "a request sent just after a reply is waited for in trio's scheduler",
-                 getattr(pyfuse3, "__version__", "?"), getattr(pyfuse3, "PFFS_PATCH", "?"))
+    elif not (SPIN and FALLOCATE):
+        off = [what for on, what in ((SPIN, "a request sent just after a reply is waited for in trio's"
+                                            " scheduler"),
+                                     (FALLOCATE, "fallocate answers EOPNOTSUPP")) if not on]
+        log.info("pyfuse3 %s built with an older third_party/pyfuse3 patch (PFFS_PATCH %s): %s",
+                 getattr(pyfuse3, "__version__", "?"), getattr(pyfuse3, "PFFS_PATCH", "?"), "; ".join(off))
     inodes = InodeTable(db)
     reader = BlobReader(content, BlobCache(cache_size), inodes.path_of)
     prefetch = Prefetch(db, reader)
@@ -424,5 +464,5 @@ def build(db: Database, content: ContentStore, *, nursery: trio.Nursery | None, 
             adopt_blobs=((lambda digests: content.workers.call(content.adopt_stored, digests))
                          if content.can_adopt_stored else None))
         engines = trees[ENGINES] = EnginesTree(registry, store, manifests, nursery)
-    return Handlers(Operations(trees, requests, files.copies), inodes, files, prefetch, reader, invalidate,
-                    manifests, pffs, engines)
+    return Handlers(Operations(trees, requests, files.copies, read_only), inodes, files, prefetch, reader,
+                    invalidate, manifests, pffs, engines)

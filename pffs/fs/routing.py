@@ -155,6 +155,9 @@ class Tree:
         without moving a byte; False where it cannot (then the bytes are copied)."""
         return False
 
+    async def fallocate(self, fh: FileHandleT, mode: int, offset: int, length: int) -> None:
+        raise FUSEError(errno.EOPNOTSUPP)
+
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         pass
 
