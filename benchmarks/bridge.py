@@ -39,6 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from engine_bridge import (Bridge, DirSink, DirSource, KVPool, MemorySession,  # noqa: E402
                            RefCountingAllocator, SeqBlocks, store_access)
@@ -46,8 +47,9 @@ from engine_bridge.core.pool import VLLM_ORDERS, VllmKVPool  # noqa: E402
 from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine  # noqa: E402
 from pffs import codec  # noqa: E402
 from pffs.client.offline import StoreSessionSink, StoreSessionSource  # noqa: E402
+from pffs_testdata import kv_file  # noqa: E402
 
-KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"
+KV_FILE = kv_file(full=True)   # the full MiniLM KV where there is one, else tests/data's
 GEOMETRIES = {
     "8b": dict(block_size=16, n_layers=32, n_heads=8, head_dim=128),     # Llama-3.1-8B: 2 MiB pages
     "small": dict(block_size=16, n_layers=6, n_heads=12, head_dim=32),   # all-MiniLM-L6-v2: 144 KiB pages
@@ -194,7 +196,7 @@ def fill_real_kv(pool: KVPool) -> str:
         from safetensors.torch import load_file
         t = load_file(str(KV_FILE))
         src = torch.cat([t["k_bf16"].flatten(), t["v_bf16"].flatten()])
-        what = "real MiniLM bf16 KV values, tiled"
+        what = f"real MiniLM bf16 KV values from {KV_FILE}, tiled"
     else:
         src = torch.randn(1 << 22).to(torch.bfloat16)
         what = f"random normals ({KV_FILE} missing)"

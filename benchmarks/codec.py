@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Codec ratios and one-core speeds on real KV pages, beside plain zstd.
 
-For bf16 and fp16 pages cut from ../shared/data/kv-minilm (16 tokens, the
-contract's §1 layout) and for os.urandom pages of the same size, prints for every pffs
+For bf16 and fp16 pages cut from the MiniLM KV file (16 tokens, the
+contract's §1 layout: the full file of $PFFS_TEST_DATA or ../shared/data where
+there is one, else the repository's trimmed copy in tests/data; the first line
+printed names it) and for os.urandom pages of the same size, prints for every pffs
 codec the ratio and MB/s to compress and decompress a page at a time on one
 core, next to plain zstd level 1 and 19 (python-zstandard, no pffs framing)
 and the zstd command line, all measured in this run; then sha256 MB/s.
@@ -27,13 +29,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from pffs import codec  # noqa: E402
+from pffs_testdata import kv_file, tokens_in  # noqa: E402
+
+KV_FILE = kv_file(full=True)
 
 
 def pages_of(kind: str) -> list[bytes]:
     if kind == "urandom":
         return [os.urandom(147456) for _ in range(128)]
     from conftest import kv_pages
-    return kv_pages(kind)
+    return kv_pages(kind, path=KV_FILE)
 
 
 def timed(fn, items, min_time=0.3):
@@ -76,6 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     args = ap.parse_args()
+    print(f"real KV: {KV_FILE} ({tokens_in(KV_FILE)} tokens, {tokens_in(KV_FILE) // 16} pages a dtype)")
     print(f"{'data':8} {'codec':22} {'ratio':>7} {'comp MB/s':>10} {'decomp MB/s':>12}")
     for kind in ("bf16", "fp16", "urandom"):
         pages = pages_of(kind)

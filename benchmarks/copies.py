@@ -30,7 +30,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import kv_pages  # noqa: E402
 from fs import Floor, borg_create  # noqa: E402
 from mountutil import Mount  # noqa: E402
+from pffs_testdata import kv_file  # noqa: E402
 from sessions import make_manifest  # noqa: E402
+
+# The full MiniLM KV where there is one ($PFFS_TEST_DATA, ../shared/data), else tests/data's.
+KV_FILE = kv_file(full=True)
 
 GEOMETRIES = {
     "8b": dict(n_layers=32, n_heads=8, head_dim=128),      # 2 MiB pages
@@ -40,7 +44,7 @@ GEOMETRIES = {
 
 def pages_of(geometry: dict, total: int) -> list[bytes]:
     size = 2 * geometry["n_layers"] * 16 * geometry["n_heads"] * geometry["head_dim"] * 2
-    real = b"".join(kv_pages("bf16"))
+    real = b"".join(kv_pages("bf16", path=KV_FILE))
     out = []
     for i in range(max(1, total // size)):
         start = (i * 7919 * 64) % len(real)
@@ -121,7 +125,7 @@ def main() -> int:
         pages = pages_of(geometry, args.mib << 20)
         nbytes = sum(map(len, pages))
         print(f"session: {len(pages)} pages of {len(pages[0]) / 2**20:.2f} MiB ({args.geometry} geometry),"
-              f" {nbytes / 2**20:.0f} MiB of real bf16 KV values")
+              f" {nbytes / 2**20:.0f} MiB of real bf16 KV values from {KV_FILE}")
         write_local(work / "src", pages, geometry)
         subprocess.run(["sync"], check=True)
         # (row 0, cp -r within a local folder, is timed in rounds beside the mount's)

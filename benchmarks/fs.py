@@ -44,7 +44,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import kv_pages  # noqa: E402
 from mountutil import Mount  # noqa: E402
+from pffs_testdata import kv_file  # noqa: E402
 from sessions import make_manifest, varied_pages, write_session  # noqa: E402
+
+# The full MiniLM KV where there is one ($PFFS_TEST_DATA, ../shared/data), else tests/data's.
+KV_FILE = kv_file(full=True)
 
 
 def sh(*cmd, cwd=None):
@@ -240,7 +244,7 @@ def main() -> int:
             base = pages[:1]
         else:
             geometry = {}
-            base = kv_pages("bf16")
+            base = kv_pages("bf16", path=KV_FILE)
             pages = varied_pages(base, args.mib * (1 << 20) // len(base[0]))
         n = len(pages)
         src = work / "src"
@@ -248,7 +252,7 @@ def main() -> int:
         del pages
         size = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
         mb = size / 1e6
-        print(f"session: {n} pages of {len(base[0])} bytes, {size / 2**20:.0f} MiB; "
+        print(f"session: {n} pages of {len(base[0])} bytes, {size / 2**20:.0f} MiB (real KV from {KV_FILE}); "
               f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start; "
               f"{args.rounds} rounds of each figure (median, then every round)")
         drop_caches()

@@ -49,8 +49,9 @@ from engine_bridge import Bridge, KVPool, MemorySession, RefCountingAllocator, S
 from engine_bridge.attach.agent import Agent  # noqa: E402
 from engine_bridge.attach.engine_adapter import StepLock  # noqa: E402
 from mountutil import Mount, wait_for  # noqa: E402
+from pffs_testdata import kv_file  # noqa: E402
 
-KV_FILE = Path(os.environ.get("PFFS_TEST_DATA", ROOT.parent / "shared" / "data")) / "kv-minilm" / "kv.safetensors"
+KV_FILE = kv_file(full=True)   # the full MiniLM KV where there is one, else tests/data's
 
 
 class PoolAdapter:
@@ -91,7 +92,7 @@ def fill(pool: KVPool) -> str:
         from safetensors.torch import load_file
         t = load_file(str(KV_FILE))
         src = torch.cat([t["k_bf16"].flatten(), t["v_bf16"].flatten()])
-        what = "real MiniLM bf16 KV values, tiled"
+        what = f"real MiniLM bf16 KV values from {KV_FILE}, tiled"
     else:
         src = torch.randn(1 << 22).to(torch.bfloat16)
         what = f"random normals ({KV_FILE} missing)"

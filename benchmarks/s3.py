@@ -37,7 +37,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import kv_pages  # noqa: E402
 from mountutil import Mount  # noqa: E402
 from seaweed import Seaweed, s3_mount_class, weed_problem  # noqa: E402
+from pffs_testdata import kv_file  # noqa: E402
 from sessions import make_manifest, varied_pages  # noqa: E402
+
+# The full MiniLM KV where there is one ($PFFS_TEST_DATA, ../shared/data), else tests/data's.
+KV_FILE = kv_file(full=True)
 
 from pffs import manifest as mf  # noqa: E402
 
@@ -89,12 +93,13 @@ def main() -> int:
         bucket = f"pffs-bench-{uuid.uuid4().hex[:10]}"
         client.create_bucket(Bucket=bucket)
 
-        base = kv_pages("bf16")
+        base = kv_pages("bf16", path=KV_FILE)
         n = args.mib * (1 << 20) // len(base[0])
         pages = varied_pages(base, n)
         manifest = make_manifest(pages).to_json()
         mb = n * len(pages[0]) / 1e6
-        print(f"session: {n} pages of {len(pages[0])} bytes ({mb:.0f} MB), {args.threads} threads a side")
+        print(f"session: {n} pages of {len(pages[0])} bytes ({mb:.0f} MB, real KV from {KV_FILE}),"
+              f" {args.threads} threads a side")
         pool = ThreadPoolExecutor(args.threads)
 
         # Plain boto3: the same bytes, one object a page.

@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from pffs_testdata import kv_file
+
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("PFFS_TEST_DATA", REPO.parent / "shared" / "data"))
-KV_FILE = DATA / "kv-minilm" / "kv.safetensors"
+# tests/data's trimmed copy of the MiniLM KV, or $PFFS_TEST_DATA's (pffs_testdata).
+KV_FILE = kv_file()
 
 
-def kv_pages(dtype: str = "bf16", page_tokens: int = 16) -> list[bytes]:
-    """Real KV pages cut from the shared MiniLM tensors as contract §1 lays them out."""
+def kv_pages(dtype: str = "bf16", page_tokens: int = 16, path: Path = KV_FILE) -> list[bytes]:
+    """Real KV pages cut from the MiniLM tensors in *path* as contract §1 lays them out."""
     import numpy as np
     from pffs_testdata import load_raw
     name = {"bf16": "bf16", "f16": "fp16", "fp16": "fp16"}[dtype]
-    k, v = load_raw(KV_FILE, f"k_{name}"), load_raw(KV_FILE, f"v_{name}")
+    k, v = load_raw(path, f"k_{name}"), load_raw(path, f"v_{name}")
     pages = []
     for s in range(0, k.shape[1], page_tokens):
         pages.append(np.ascontiguousarray(k[:, s:s + page_tokens]).tobytes()

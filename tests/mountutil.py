@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,6 +24,41 @@ def wait_for(cond, timeout=DEADLINE, interval=0.02, what="condition"):
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+# -- counted FUSE requests ------------------------------------------------------
+
+# Kinds of FUSE request whose number follows the kernel's timing as much as the
+# operation counted: LOOKUP and GETATTR revalidate names and attributes whose
+# timeouts ran out (10 s for the namespace's, 0.5 s for a live session's, 0
+# for .pffs/), which a run slowed down by a loaded host crosses more often, and
+# FORGET is sent whenever the kernel trims its caches. A test counting requests
+# bounds these apart from the kinds the operation itself must cause (mkdir,
+# create, write, rename, getxattr, read, ...), each generously: an operation
+# that asks O(1) of them still fails it if it comes to ask them once a page.
+KERNEL_TIMED = frozenset({"lookup", "getattr", "forget"})
+
+
+def fuse_requests(mnt) -> dict[str, int]:
+    """FUSE requests the daemon has served so far, by kind (.pffs/stats.json)."""
+    return json.loads((mnt / ".pffs" / "stats.json").read_text())["requests"]
+
+
+def requests_made(mnt, fn) -> dict[str, int]:
+    """FUSE requests ``fn()`` made, by kind, less what reading stats.json costs
+    (measured just before: its KERNEL_TIMED kinds may differ by one or two)."""
+    a = fuse_requests(mnt)
+    b = fuse_requests(mnt)
+    fn()
+    c = fuse_requests(mnt)
+    made = {k: c.get(k, 0) - b.get(k, 0) - (b.get(k, 0) - a.get(k, 0)) for k in c}
+    return {k: v for k, v in made.items() if v}
+
+
+def by_timing(made: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """*made* split: (the kinds the operation causes, the KERNEL_TIMED kinds)."""
+    return ({k: v for k, v in made.items() if k not in KERNEL_TIMED},
+            {k: v for k, v in made.items() if k in KERNEL_TIMED})
 
 
 def pffs(*args, check=True, **kw) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ import torch
 from engine_bridge import (Bridge, DamagedPage, DirSink, DirSource, DirectSink, DirectSource,
                            KVPool, RefCountingAllocator, SeqBlocks, store_access)
 from engine_bridge import as_sink, as_source
-from mountutil import pffs, wait_for
+from mountutil import by_timing, pffs, requests_made, wait_for
 from pffs import codec
 from pffs.manifest import page_name
 from pffs.store.storedir import StoreDir
@@ -49,20 +49,32 @@ def one_seq(pool: KVPool, n_blocks: int | None = None) -> SeqBlocks:
     return SeqBlocks("s", list(range(n)), n * pool.block_size - 3, list(range(n * pool.block_size - 3)))
 
 
-def requests(mnt) -> dict[str, int]:
-    return json.loads((mnt / ".pffs" / "stats.json").read_text())["requests"]
-
-
 def counted(mnt, fn) -> tuple[int, dict]:
-    """FUSE requests *fn* made, less those of reading stats.json itself."""
-    a = requests(mnt)
-    b = requests(mnt)
-    fn()
-    c = requests(mnt)
-    own = {k: b.get(k, 0) - a.get(k, 0) for k in b}
-    made = {k: c.get(k, 0) - b.get(k, 0) - own.get(k, 0) for k in c}
-    made = {k: v for k, v in made.items() if v}
+    """FUSE requests *fn* made: how many, and how many of each kind."""
+    made = requests_made(mnt, fn)
     return sum(made.values()), made
+
+
+# A direct page-out or page-in asks the mount a few requests whatever the
+# session's size (docs/engines.md §5); a page-out through the mount asks
+# several a page. Counted apart (mountutil.KERNEL_TIMED):
+# - the kinds it causes itself, at most FEW in all: a page-out's two mkdirs,
+#   manifest.json's create, write, flush and release, three getxattrs and the
+#   rename (10 here), a page-in's open, release and getxattr (3);
+# - each kind whose number follows the kernel's timing, at most FEW_TIMED:
+#   the LOOKUPs and GETATTRs of the names it walks (5 and 4 here: seven paths
+#   of one or two names below the root), asked again where their timeouts ran
+#   out while a loaded host ran the test slowly, and FORGETs of whatever the
+#   kernel trims meanwhile. (The sum was once bounded at 20: a loaded host
+#   failed it with 21, two FORGETs and three GETATTRs among them.)
+FEW = 20
+FEW_TIMED = 32
+
+
+def assert_few_requests(made: dict[str, int]) -> None:
+    ops, timed = by_timing(made)
+    assert sum(ops.values()) <= FEW, made
+    assert all(n <= FEW_TIMED for n in timed.values()), made
 
 
 def page_sums(session: Path) -> list[str]:
@@ -73,10 +85,10 @@ def page_sums(session: Path) -> list[str]:
 
 
 def test_page_out_and_in_of_256_pages_take_a_few_fuse_requests(mnt):
-    """A direct page-out and page-in of a 256-page session each cost at most 20
+    """A direct page-out and page-in of a 256-page session each cost a few
     FUSE requests (the first page-out of the process learning the store
-    included), where the mount path costs several a page; both give the same
-    session byte for byte."""
+    included; assert_few_requests), where the mount path costs several a
+    page; both give the same session byte for byte."""
     pool = pool_of(256)
     br = bridge_of(pool)
     seq = one_seq(pool)
@@ -84,7 +96,7 @@ def test_page_out_and_in_of_256_pages_take_a_few_fuse_requests(mnt):
     n_out, made_out = counted(mnt, lambda: br.page_out([seq], mnt / "direct"))
     n_mount, _ = counted(mnt, lambda: br.page_out([seq], DirSink(mnt / "mount")))
     print("direct page-out:", n_out, made_out, "| mount path:", n_mount)
-    assert n_out <= 20, made_out
+    assert_few_requests(made_out)
     assert n_mount > 256 * 3
     # The same session either way: manifest bytes, page digests, file sizes, stats.
     assert (mnt / "direct" / "manifest.json").read_bytes() == (mnt / "mount" / "manifest.json").read_bytes()
@@ -103,7 +115,7 @@ def test_page_out_and_in_of_256_pages_take_a_few_fuse_requests(mnt):
     n_in, made_in = counted(mnt, lambda: page_in(mnt / "direct"))
     n_in_mount, _ = counted(mnt, lambda: page_in(DirSource(mnt / "mount")))
     print("direct page-in:", n_in, made_in, "| mount path:", n_in_mount)
-    assert n_in <= 20, made_in
+    assert_few_requests(made_in)
     assert n_in_mount > 256 * 3
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
 

@@ -16,6 +16,7 @@ from pffs import manifest as mf
 from sessions import make_manifest, varied_pages
 
 BUSY_SECONDS = float(os.environ.get("PFFS_TEST_BUSY_SECONDS", "30"))
+ENOUGH_WITHIN = 150.0      # further seconds the busy work may take to do enough of each kind
 PAGES = 4
 
 
@@ -95,10 +96,19 @@ def test_gc_during_writes_reads_and_deletes_loses_nothing(mnt, bf16_pages):
     threads += [threading.Thread(target=reader, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
+    # The race needs each kind of work to have happened a few times: gc runs
+    # for BUSY_SECONDS and then on until it has (a loaded host does less in
+    # the same time), up to a deadline only a stuck writer or reader reaches.
     end = time.monotonic() + BUSY_SECONDS
+    deadline = end + ENOUGH_WITHIN
     removed = 0
+
+    def enough() -> bool:
+        with lock:
+            done = dict(counts)
+        return done["gcs"] >= 5 and done["deleted"] >= 10 and done["reads"] >= 10 and removed > 0
     try:
-        while time.monotonic() < end and not errors:
+        while (time.monotonic() < end or not enough()) and time.monotonic() < deadline and not errors:
             out = gc(mnt.store)
             removed += int(out.split("removed ")[1].split(" blobs")[0])
             counts["gcs"] += 1

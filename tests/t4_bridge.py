@@ -197,7 +197,7 @@ def test_page_bytes_of_real_kv(tmp_path):
     from conftest import KV_FILE, kv_pages
     from safetensors.torch import load_file
     t = load_file(str(KV_FILE))
-    k, v = t["k_bf16"], t["v_bf16"]  # [6, 2048, 12, 32]
+    k, v = t["k_bf16"], t["v_bf16"]  # [6, tokens, 12, 32]
     n_blocks = 8
     pool = KVPool.allocate(num_blocks=n_blocks, block_size=16, n_layers=6, n_heads=12, head_dim=32,
                            dtype=torch.bfloat16)
