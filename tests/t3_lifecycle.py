@@ -16,7 +16,7 @@ import time
 import pytest
 
 from lifecycle_helpers import copy_file, gc, run, stats
-from mountutil import pffs
+from mountutil import pffs, wait_for
 from pffs import manifest as mf
 from pffs import namespace as ns
 from pffs.store.storedir import StoreDir
@@ -32,6 +32,19 @@ def blob_path(store, data: bytes):
 
 
 # -- gc ------------------------------------------------------------------------
+
+
+def forgotten(m) -> None:
+    """Wait until the kernel has let go of every removed file: an unlinked
+    inode holds its blobs until the kernel's FORGET, which it sends when it
+    will (later on a busy host), so gc right after rm would keep them."""
+    def none_left() -> bool:
+        c = sqlite3.connect(f"file:{m.store / 'namespace.db'}?mode=ro", uri=True)
+        try:
+            return c.execute("SELECT COUNT(*) FROM inodes WHERE nlink = 0").fetchone()[0] == 0
+        finally:
+            c.close()
+    wait_for(none_left, what="the removed files to be forgotten")
 
 def test_gc_frees_exactly_deleted_sessions_and_keeps_listed_pages(mnt, bf16_pages, tmp_path):
     a, b, d = (varied_pages(bf16_pages, n, salt=s) for n, s in ((8, 1), (6, 2), (5, 3)))
@@ -49,6 +62,7 @@ def test_gc_frees_exactly_deleted_sessions_and_keeps_listed_pages(mnt, bf16_page
 
     run("rm", "-r", mnt / "a")
     run("rm", "-r", mnt / "d" / "pages")  # d's manifest still lists its pages: gc roots
+    forgotten(mnt)
     dry = gc(mnt.store, "--dry-run")
     assert f"would remove {a_blobs} blobs ({a_bytes} bytes)" in dry
     assert stats(mnt.path)["unique_blobs"] == s2["unique_blobs"]
@@ -450,18 +464,21 @@ def test_forked_pages_hold_their_blobs_after_every_manifest_is_gone(mount_factor
     run("rm", "-r", m / "a")
     for f in ("b", "c"):
         os.unlink(m / f / "manifest.json")
+    forgotten(m)
     assert "removed 1 blobs" in gc(m.store)     # the manifest's own blob
     for f in ("b", "c"):
         assert [(m / f / "pages" / mf.page_name(i)).read_bytes() for i in range(5)] == pages
     run("rm", "-r", m / "c")
     for i in (0, 1):
         os.unlink(m / "b" / "pages" / mf.page_name(i))
+    forgotten(m)
     assert "removed 0 blobs" in gc(m.store)     # the page list stays while b's pages are left
     assert [(m / "b" / "pages" / mf.page_name(i)).read_bytes() for i in (2, 3, 4)] == pages[2:]
     assert m.stop() == 0
     assert pffs("check", "--store", m.store, check=False).returncode == 0
     m.start()
     run("rm", "-r", m / "b")
+    forgotten(m)
     assert "removed 5 blobs" in gc(m.store)
     assert not any(blob_path(m.store, p).exists() for p in pages)
 
