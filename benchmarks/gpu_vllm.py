@@ -95,8 +95,8 @@ def main() -> int:
                         str(mounted)], check=True)
         root = mounted
     timings = Timings()
-    logging.getLogger("pffs.vllm").addHandler(timings)
-    logging.getLogger("pffs.vllm").setLevel(logging.INFO)
+    logging.getLogger("vllm.pffs").addHandler(timings)
+    logging.getLogger("vllm.pffs").setLevel(logging.INFO)
     try:
         model = a.model
         if model is None:

@@ -267,6 +267,16 @@ class _ForkArgs:
         self.src, self.dst = src, dst
 
 
+def cmd_wait(args) -> int:
+    from pffs.client.wait import SAVED, wait
+    code, why = wait(args.session, args.timeout)
+    if code == SAVED:
+        print(f"{args.session}: saved")
+    else:
+        print(f"pffs wait: {args.session}: {why}", file=sys.stderr)
+    return code
+
+
 def cmd_seal(args) -> int:
     from pffs.client import mounted as tools
     n, changed = tools.seal(args.session)
@@ -401,6 +411,12 @@ def _tree_args(s) -> None:
     s.set_defaults(func=cmd_tree)
 
 
+def _wait_args(s) -> None:
+    s.add_argument("session", help="where an engine was asked to save a session")
+    s.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after this long (exit 2)")
+    s.set_defaults(func=cmd_wait)
+
+
 def _remote(name: str):
     """A command of pffs.bucket.transfer, imported when it runs (S3 clients are slow to import)."""
     def run(args):
@@ -447,6 +463,8 @@ COMMANDS = [
     ("umount", "unmount and wait for the daemon to finish", _umount_args),
     ("fork", "fork a session without moving page bytes", _fork_args),
     ("seal", "rewrite a session's manifest.json from its page files", _seal_args),
+    ("wait", "wait until an engine's save of a session is there (exit 0) or failed (exit 1)",
+     _wait_args),
     ("demo", "save, fork and restore a KV cache of the reference engine", _demo_args),
     ("stats", "store figures: sessions, bytes, dedup and compression ratios", _stats_args),
     ("du", "what sessions or folders share, hold alone, and would give back if removed", _du_args),

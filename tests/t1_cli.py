@@ -17,6 +17,7 @@ SAMPLES = [
     ["umount", "/m"],
     ["fork", "a", "b"],
     ["seal", "s"],
+    ["wait", "s", "--timeout", "1.5"],
     ["demo", "--dtype", "f32", "--tokens", "3"],
     ["stats", "--json", "/m"],
     ["du", "--json", "/m/a", "/m/b"],
@@ -125,3 +126,18 @@ def test_the_command_line_mount_fuse3_runs_is_pffs_mount():
                  ["/s", "/m", "-o"], ["/s", "/m", "--store", "/x", "-o", "rw"], ["/s", "/m", "/n", "-o", "rw"],
                  ["mount", "/m", "-o", "rw"]):
         assert cli.helper_args(argv) is None, argv
+
+
+def test_wait_says_saved_failed_or_timed_out(tmp_path):
+    """pffs wait: exit 2 while neither the session nor its failure record is
+    there, 1 with the record's line, 0 once the session's manifest is there."""
+    s = tmp_path / "agent-a"
+    r = run("wait", str(s), "--timeout", "0.05")
+    assert r.returncode == 2 and "agent-a.save-failed" in r.stderr, r.stderr
+    (tmp_path / "agent-a.save-failed").write_text("pffs_save 'agent-a': [Errno 28] No space left on device\n")
+    r = run("wait", str(s), "--timeout", "0.05")
+    assert r.returncode == 1 and r.stderr.strip().endswith("No space left on device"), r.stderr
+    s.mkdir()
+    (s / "manifest.json").write_text("{}")
+    r = run("wait", str(s))
+    assert r.returncode == 0 and r.stdout.strip() == f"{s}: saved", r.stdout

@@ -50,7 +50,7 @@ def save(tmp_path, root, name="agent-a", **kw) -> tuple[Engine, list[int]]:
     # Step until the request finishes: its blocks are then held for the save.
     while rid not in eng.outputs:
         eng.step()
-    assert eng.outputs[rid] == {"pffs_save": name, "pffs_saved": 42}
+    assert eng.outputs[rid] == {"pffs_save": name, "pffs_save_scheduled": 42}
     assert eng.free == free0 - 3, "the finished request's blocks were not held for its save"
     eng.run(rid)
     assert eng.free == free0 and not eng.sched.requests
@@ -98,7 +98,7 @@ def test_save_fork_and_load_through_a_mount(tmp_path, mount_factory):
         free0 = e2.free
         prompt = tokens[:42] + [5, 6, 7, 8, 9]
         rid = e2.add(prompt, {"pffs_load": name}, max_tokens=2)
-        e2.step()
+        e2.until_scheduled(rid)
         # Two full pages (32 tokens) came from the session; the model computed from 32 on.
         assert [(j.page_ixs, len(j.block_ids)) for j in e2.loads] == [([0, 1], 2)]
         assert e2.computed[rid][0] == 32
@@ -149,10 +149,27 @@ def test_refusals_leave_the_block_pool_as_it_was(tmp_path, mount_factory):
     pffs("fork", mnt / "agent-a", mnt / "elsewhere")
     (mnt / "elsewhere" / "manifest.json").write_text(json.dumps(other))
     refused(eng, tokens, {"pffs_load": "elsewhere"}, "model.name mismatch")
+    assert not pages.exists() or not any(pages.iterdir())
+
+
+def test_a_missing_page_is_computed_instead(tmp_path, mount_factory):
+    """The scheduler reads a session's manifest, not its pages: a page that is
+    not there fails the load on the worker's lane, and vLLM computes the
+    blocks it was to fill; the response says so."""
+    mnt = mount_factory()
+    _, tokens = save(tmp_path, mnt.path, "agent-a")
     pffs("fork", mnt / "agent-a", mnt / "holey")
     (mnt / "holey" / "pages" / "000001").unlink()
-    refused(eng, tokens, {"pffs_load": "holey"}, "000001")
-    assert not pages.exists() or not any(pages.iterdir())
+    eng = Engine(tmp_path, mnt.path)
+    free0 = eng.free
+    prompt = tokens[:42] + [1, 2]
+    rid = eng.add(prompt, {"pffs_load": "holey"}, max_tokens=2)
+    out = eng.run(rid)
+    assert [j.page_ixs for j in eng.loads] == [[0, 1]]
+    assert out == {"pffs_loaded": 0, "pffs_error": "pffs_load 'holey': 2 page(s) failed to load "
+                   "and were computed instead"}, out
+    assert sorted(eng.computed[rid])[:32] == list(range(32))
+    assert eng.free == free0
 
 
 def test_a_page_that_fails_its_digest_is_computed_instead(tmp_path, mount_factory):
@@ -170,14 +187,12 @@ def test_a_page_that_fails_its_digest_is_computed_instead(tmp_path, mount_factor
     free0 = eng.free
     prompt = tokens[:42] + [1, 2]
     rid = eng.add(prompt, {"pffs_load": "plain"}, max_tokens=3)
-    eng.step()
+    eng.until_scheduled(rid)
     assert [j.page_ixs for j in eng.loads] == [[0, 1]]
-    assert eng.computed[rid][0] == 32
-    eng.step()
     # vLLM recomputed the blocks the load was to fill: the KV is the model's own.
-    assert sorted(eng.computed[rid])[:32] == list(range(32))
+    assert eng.computed[rid][0] == 0
     assert_holds_computed_kv(eng, rid, prompt, len(prompt))
-    eng.run(rid)
+    assert "2 page(s) failed to load" in eng.run(rid)["pffs_error"]
     assert eng.free == free0
 
 
@@ -192,8 +207,46 @@ def test_two_requests_saving_one_name_one_wins(tmp_path):
     eng.run(a)
     eng.run(b)
     said = [eng.outputs[a], eng.outputs[b]]
-    assert said[0] == {"pffs_save": "twin", "pffs_saved": 41}
+    assert said[0] == {"pffs_save": "twin", "pffs_save_scheduled": 41}
     assert "exists" in said[1]["pffs_error"]
     assert eng.free == free0
     m = json.loads((tmp_path / "twin" / "manifest.json").read_bytes())
     assert m["logical_seqs"][0]["token_ids"] == PROMPT + [7]
+
+
+def test_a_save_runs_to_its_end_without_further_steps(tmp_path):
+    """Once the step after the request's last carried its save to the worker,
+    the page-out ends on the save lane with no more steps: the session
+    appears, and vLLM learns it at its next step."""
+    from pffs.client.wait import SAVED, wait
+    eng = Engine(tmp_path, tmp_path)
+    rid = eng.add(PROMPT, {"pffs_save": "alone"}, max_tokens=2)
+    while rid not in eng.outputs:
+        eng.step()
+    assert not (tmp_path / "alone").exists()
+    eng.step()              # (carries the save job)
+    assert wait(tmp_path / "alone", timeout=60) == (SAVED, "")
+    eng.run(rid)
+    assert not eng.sched.requests
+
+
+def test_a_lora_session_serves_only_its_adapter(tmp_path):
+    """A request's LoRA adapter is recorded in the manifest; a load by a
+    request of another adapter, or of none, is refused in one line."""
+    from vllm.lora.request import LoRARequest
+    eng = Engine(tmp_path, tmp_path)
+    ada = LoRARequest("ada", 1, "/adapters/ada")
+    rid = eng.add(PROMPT, {"pffs_save": "tuned"}, max_tokens=2, lora_request=ada)
+    assert eng.run(rid)["pffs_save_scheduled"] == 41
+    m = json.loads((tmp_path / "tuned" / "manifest.json").read_bytes())
+    assert m["inputs"] == {"lora": {"name": "ada", "path": "/adapters/ada"}}
+    prompt = PROMPT + [7, 1]
+    refused(eng, prompt, {"pffs_load": "tuned"}, "saved with another LoRA adapter")
+    other = LoRARequest("bob", 2, "/adapters/bob")
+    free0 = eng.free
+    rid = eng.add(prompt, {"pffs_load": "tuned"}, max_tokens=2, lora_request=other)
+    assert "another LoRA adapter" in eng.run(rid)["pffs_error"]
+    assert eng.free == free0 and not eng.loads
+    fresh = Engine(tmp_path, tmp_path)     # (eng's prefix cache holds ada's blocks of the prompt)
+    rid = fresh.add(prompt, {"pffs_load": "tuned"}, max_tokens=2, lora_request=ada)
+    assert fresh.run(rid) == {"pffs_loaded": 32}

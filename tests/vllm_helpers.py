@@ -116,7 +116,8 @@ class Engine:
     def free(self) -> int:
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, prompt: list[int], params: dict[str, Any] | None = None, max_tokens: int = 3) -> str:
+    def add(self, prompt: list[int], params: dict[str, Any] | None = None, max_tokens: int = 3,
+            **request_kw: Any) -> str:
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -127,7 +128,7 @@ class Engine:
                             extra_args={"kv_transfer_params": params} if params else None)
         req = Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp,
                       pooling_params=None, mm_features=None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))
+                      block_hasher=get_request_block_hasher(BLOCK, sha256), **request_kw)
         self.sched.add_request(req)
         return rid
 
@@ -175,6 +176,16 @@ class Engine:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.outputs[o.request_id] = o.kv_transfer_params or {}
+
+    def until_scheduled(self, rid: str, deadline: float = 60.0) -> None:
+        """Step until the model computed something of *rid* (a load it waits
+        for runs on the connector's load lane meanwhile)."""
+        import time
+        end = time.monotonic() + deadline
+        while rid not in self.computed and rid not in self.outputs:
+            if time.monotonic() > end:
+                raise AssertionError(f"{rid} not scheduled in {deadline} s")
+            self.step()
 
     def run(self, rid: str, *, until_idle: bool = True, deadline: float = 60.0) -> dict[str, Any]:
         """Step until *rid* finished (and, with *until_idle*, every held block is back)."""

@@ -225,12 +225,13 @@ class Bridge:
 
     # ----------------------------------------------------------------- page out
 
-    def plan(self, seqs: Sequence[SeqBlocks], *, include_token_ids: bool = True
-             ) -> tuple[Manifest, list[BlockId], list[int]]:
+    def plan(self, seqs: Sequence[SeqBlocks], *, include_token_ids: bool = True,
+             extra: dict[str, Any] | None = None) -> tuple[Manifest, list[BlockId], list[int]]:
         """The manifest (digests still unset) and, per page, its block and used slots.
 
         A page is one (block, used token slots) pair: a block shared by
         several sequences with the same fill is one page, listed once.
+        *extra* holds top-level manifest fields of the engine's own.
         """
         P = self.pool.block_size
         page_of: dict[tuple[int, int], int] = {}
@@ -262,7 +263,8 @@ class Bridge:
             lseqs.append(LogicalSeq(s.id, ixs, s.n_tokens % P, toks))
         manifest = Manifest(**self.pool.geometry, pages=[_PLACEHOLDER] * len(blocks),
                             logical_seqs=lseqs, layout=SUPPORTED_LAYOUTS[0], model=self.model,
-                            kv=dict(self.pool.kv), engine=self.pool.engine_info(self.engine_name))
+                            kv=dict(self.pool.kv), engine=self.pool.engine_info(self.engine_name),
+                            extra=dict(extra or {}))
         try:
             manifest.validate()
         except ManifestError as e:
@@ -270,13 +272,13 @@ class Bridge:
         return manifest, blocks, used
 
     def page_out(self, seqs: Sequence[SeqBlocks], dest: SinkLike, *,
-                 include_token_ids: bool = True) -> Manifest:
+                 include_token_ids: bool = True, extra: dict[str, Any] | None = None) -> Manifest:
         """Write *seqs* as one session into *dest* (a sink or a directory path).
 
         The session appears complete or not at all; an existing name raises
         FileExistsError.  Returns the manifest written.
         """
-        manifest, blocks, used = self.plan(seqs, include_token_ids=include_token_ids)
+        manifest, blocks, used = self.plan(seqs, include_token_ids=include_token_ids, extra=extra)
         sink = as_sink(dest)
         try:
             with self._lock:

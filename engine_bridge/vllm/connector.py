@@ -4,33 +4,37 @@ A request names what it wants in ``kv_transfer_params``:
 
 - ``{"pffs_save": NAME}``: when it finishes, the KV of its computed tokens
   (prompt and output) is paged out as the session ``ROOT/NAME`` (token ids,
-  model identity and layout in the manifest).  Its blocks stay held until
-  the page-out is done, then vLLM frees them.  An existing name is refused.
+  model identity, layout and the request's other inputs in the manifest).
+  Its blocks stay held until the page-out is done, then vLLM frees them.
+  The response says the save is *scheduled*; it ends, without any further
+  step of the engine, with ``ROOT/NAME`` appearing whole, or with
+  ``ROOT/NAME.save-failed`` holding one line that says why
+  (``pffs wait ROOT/NAME`` waits for either).
 - ``{"pffs_load": NAME}``: the full pages of session ``ROOT/NAME`` whose
   tokens the prompt starts with (at most the prompt less its last token,
   which vLLM computes) are loaded into the blocks vLLM allocated, after
-  vLLM's own prefix cache: a local hit comes first.
+  vLLM's own prefix cache: a local hit comes first.  The load runs beside
+  the engine's steps; the request waits for it, other requests do not.
 
 What the connector did comes back in the request's output
-``kv_transfer_params``: ``pffs_saved``/``pffs_loaded`` (token counts) or
-``pffs_error`` (one line: why nothing was saved or loaded).  A refusal
-never costs a block: the request then computes its prompt itself.
+``kv_transfer_params``: ``pffs_save_scheduled``/``pffs_loaded`` (token
+counts) or ``pffs_error`` (one line: why nothing was saved or loaded).  A
+refusal never costs a block: the request then computes its prompt itself.
 
-The scheduler half decides and plans (it reads manifests and names in the
-mount); the worker half moves the bytes with the engine bridge, by the direct
-store path where the mount offers it.  One KV cache group of full attention
-(vLLM turns its hybrid allocator off for connectors without ``SupportsHMA``);
-one session per tensor-parallel rank is not supported yet: the worker needs
-the whole of each layer's heads.
+Sessions do not depend on parallelism: at tensor-parallel size k every rank
+gives its heads of each page to the group's first rank, which writes
+whole-head pages; a load at any size whose head split divides the heads
+scatters each rank's slice.  Pipeline parallel is refused at start.
+``docs/engines.md`` §10 says more.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,18 +47,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from engine_bridge.core.bridge import (
-    Bridge,
-    SeqBlocks,
-    check_manifest,
-    check_present,
-    hf_config_sha256,
-    read_manifest,
-)
-from engine_bridge.core.pool import DEFAULT_KV, DTYPE_NAMES, BlockId, VllmKVPool
+from engine_bridge.core.bridge import Bridge, SeqBlocks, hf_config_sha256
+from engine_bridge.core.pool import DTYPE_NAMES, BlockId, KVPool, VllmKVPool
 from engine_bridge.errors import BridgeError
-from engine_bridge.transport.choose import as_source
-from pffs.manifest import Manifest
+from engine_bridge.vllm.lanes import HeadSlicePool, Lane, join_slices, wait_lanes
+from engine_bridge.vllm.plans import (
+    INPUTS,
+    LOAD,
+    SAVE,
+    LoadPlan,
+    inputs_of,
+    plan_load,
+    session_path,
+)
+from pffs.names import SAVE_FAILED_SUFFIX
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,9 +71,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("pffs.vllm")
+log = logging.getLogger("vllm.pffs")
 
-SAVE, LOAD = "pffs_save", "pffs_load"
+#: How long a step with nothing scheduled waits for a lane's job to end
+#: (vLLM steps an idle engine in a loop while saves or loads are pending:
+#: unchecked, that loop takes a core from the page-outs it waits for).
+IDLE_WAIT = 0.05
 
 
 @dataclass
@@ -77,6 +86,7 @@ class SaveJob:
     block_ids: list[int]
     n_tokens: int
     token_ids: list[int] | None
+    inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,13 +103,7 @@ class PffsConnectorMetadata(KVConnectorMetadata):
 
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
-
-
-@dataclass
-class _LoadPlan:
-    name: str
-    page_ixs: list[int] = field(default_factory=list)   # the session's pages, one per block
-    error: str | None = None
+    idle: bool = False          # no token is computed this step
 
 
 class PffsConnector(KVConnectorBase_V1):
@@ -108,7 +112,9 @@ class PffsConnector(KVConnectorBase_V1):
     ``kv_connector_extra_config``: ``root`` (required), ``engine`` (the
     manifest's engine name, default ``vllm``), ``token_ids`` (store the
     tokens, default true; without them a session cannot be loaded by
-    prompt), ``model_name`` (default the model vLLM serves).
+    prompt), ``model_name`` (default the model vLLM serves), ``save_nice``
+    and ``load_nice`` (the lanes' nice values, default 0 and 15: a load
+    yields the cores to the step, a save does not).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -120,6 +126,7 @@ class PffsConnector(KVConnectorBase_V1):
         self.root = Path(extra["root"])
         self.engine = str(extra.get("engine", "vllm"))
         self.store_tokens = bool(extra.get("token_ids", True))
+        self.nice = (int(extra.get("save_nice", 0)), int(extra.get("load_nice", 15)))
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
             raise ValueError("PffsConnector supports models with one KV cache group of full "
@@ -128,39 +135,51 @@ class PffsConnector(KVConnectorBase_V1):
         if spec.head_size_v != spec.head_size or spec.dtype not in DTYPE_NAMES:
             raise ValueError(f"PffsConnector: K and V head sizes {spec.head_size}/{spec.head_size_v} "
                              f"and dtype {spec.dtype} do not make contract pages")
+        par, mc = vllm_config.parallel_config, vllm_config.model_config
+        if par.pipeline_parallel_size > 1:
+            raise ValueError("PffsConnector: pipeline parallel (size "
+                             f"{par.pipeline_parallel_size}) is not supported; use tensor parallel")
+        self.tp = par.tensor_parallel_size
+        self.n_heads = mc.get_total_num_kv_heads()
+        if self.n_heads % self.tp or spec.num_kv_heads * self.tp != self.n_heads:
+            raise ValueError(f"PffsConnector: {self.n_heads} KV heads do not split evenly over "
+                             f"tensor-parallel size {self.tp}")
         self.layer_names = list(groups[0].layer_names)
         self.block_size = spec.block_size
+        # Whole-head geometry: what a session holds at any parallelism.
         self.geometry = {"page_size_tokens": spec.block_size, "n_layers": len(self.layer_names),
-                         "n_heads": spec.num_kv_heads, "head_dim": spec.head_size,
+                         "n_heads": self.n_heads, "head_dim": spec.head_size,
                          "dtype": DTYPE_NAMES[spec.dtype]}
-        mc = vllm_config.model_config
         self.model = {"name": str(extra.get("model_name") or mc.served_model_name or mc.model),
                       "revision": mc.revision or getattr(mc.hf_config, "_commit_hash", None),
                       "config_sha256": hf_config_sha256(mc.hf_config)}
         # Scheduler side.
-        self._plans: dict[str, _LoadPlan] = {}
-        self._to_load: dict[str, tuple[_LoadPlan, int, int]] = {}  # req -> (plan, first block, blocks)
+        self._plans: dict[str, LoadPlan] = {}
+        self._to_load: list[LoadJob] = []
+        self._loading: dict[str, LoadJob] = {}   # req -> its load in flight
         self._to_save: list[SaveJob] = []
         self._saving: dict[str, str] = {}       # req -> name being saved
-        self._said: dict[str, dict[str, Any]] = {}
         # Worker side.
-        self._bridge: Bridge | None = None
-        self._saves: dict[str, Future] = {}
+        self._pool: KVPool | None = None
+        self._lanes: tuple[Lane, Lane] | None = None
+        self._save_bridge: Bridge | None = None
+        self._load_bridge: Bridge | None = None
+        self._group: Any = None
+        self._rank = 0
         self._load_errors: set[int] = set()
-        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A save that does not happen is a later cache miss, never wrong KV.
+        return False
 
     # ================================================================ scheduler
 
-    def _params(self, request: "Request") -> dict[str, Any]:
+    @staticmethod
+    def _params(request: "Request") -> dict[str, Any]:
         p = request.kv_transfer_params
         return p if isinstance(p, dict) else {}
-
-    def _session(self, name: Any) -> Path:
-        if not isinstance(name, str) or not name or name.startswith("/") \
-                or any(part in ("", ".", "..") for part in name.split("/")):
-            raise ValueError(f"{name!r} is not a session name (a relative path under the root)")
-        return self.root / name
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -169,141 +188,190 @@ class PffsConnector(KVConnectorBase_V1):
             return 0, False
         plan = self._plans.get(request.request_id)
         if plan is None:
-            plan = self._plans[request.request_id] = self._plan_load(request, name)
+            plan = self._plans[request.request_id] = plan_load(
+                self.root, name, self._params(request), list(request.prompt_token_ids or ()),
+                self.block_size, self.geometry, self.model, inputs_of(request))
+            if plan.error:
+                log.warning("request %s: %s", request.request_id, plan.error)
+        plan.admitting = True
         first = num_computed_tokens // self.block_size
-        if plan.error is not None or len(plan.page_ixs) <= first:
+        # (A load that failed is not tried again: vLLM computes those tokens.)
+        if plan.error is not None or plan.failed or len(plan.pages) <= first:
             return 0, False
-        return (len(plan.page_ixs) - first) * self.block_size, False
-
-    def _plan_load(self, request: "Request", name: Any) -> _LoadPlan:
-        plan = _LoadPlan(str(name))
-        try:
-            folder = self._session(name)
-            if not folder.is_dir():
-                raise ValueError(f"{folder}: no such file or folder")
-            source = as_source(folder)
-            manifest = read_manifest(source)
-            check_manifest(manifest, self.geometry, DEFAULT_KV, self.model)
-            seq = self._seq_of(manifest, self._params(request).get("pffs_seq"))
-            if seq.token_ids is None:
-                raise ValueError("the session holds no token ids, so no prompt can be matched to it")
-            prompt = list(request.prompt_token_ids or ())
-            n = 0
-            limit = min(len(seq.token_ids), len(prompt) - 1)
-            while n < limit and seq.token_ids[n] == prompt[n]:
-                n += 1
-            pages = list(seq.page_ixs[:n // self.block_size])
-            check_present(source, manifest)
-            if len(set(pages)) != len(pages):
-                raise ValueError("the sequence lists a page twice")
-            plan.page_ixs = pages
-        except (OSError, ValueError, BridgeError) as e:
-            plan.error = f"{LOAD} {name!r}: {e}"
-        if plan.error:
-            log.warning("request %s: %s", request.request_id, plan.error)
-        return plan
-
-    @staticmethod
-    def _seq_of(manifest: Manifest, seq_id: Any):
-        seqs = manifest.logical_seqs
-        if seq_id is None:
-            if len(seqs) != 1:
-                raise ValueError(f"the session holds {len(seqs)} sequences: name one with pffs_seq")
-            return seqs[0]
-        for s in seqs:
-            if s.id == seq_id:
-                return s
-        raise ValueError(f"the session has no sequence {seq_id!r}")
+        return (len(plan.pages) - first) * self.block_size, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
-        plan = self._plans[request.request_id]
+        plan = self._plans.get(request.request_id)
+        if plan is None or not plan.admitting:
+            return      # (not an admission: a load's request scheduled once its KV is in)
+        # Each admission (a preempted request is admitted again) loads anew.
+        plan.admitting = False
         n = num_external_tokens // self.block_size
-        first = len(plan.page_ixs) - n
-        self._to_load[request.request_id] = (plan, first, n)
+        plan.loaded = n * self.block_size
+        if n <= 0:
+            return
+        first = len(plan.pages) - n
+        ids = list(blocks.get_block_ids()[0][first:first + n])
+        job = LoadJob(request.request_id, plan.name, plan.pages[first:], ids)
+        self._to_load.append(job)
+        self._loading[request.request_id] = job
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = PffsConnectorMetadata(saves=self._to_save)
-        self._to_save = []
-        for new in scheduler_output.scheduled_new_reqs:
-            got = self._to_load.pop(new.req_id, None)
-            if got is None:
-                continue
-            plan, first, n = got
-            blocks = list(new.block_ids[0][first:first + n])
-            meta.loads.append(LoadJob(new.req_id, plan.name, plan.page_ixs[first:first + n], blocks))
-            self._said.setdefault(new.req_id, {})["pffs_loaded"] = (first + n) * self.block_size
+        meta = PffsConnectorMetadata(saves=self._to_save, loads=self._to_load,
+                                     idle=scheduler_output.total_num_scheduled_tokens == 0)
+        self._to_save, self._to_load = [], []
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        bad = set(connector_output.invalid_block_ids or ())
+        if bad:
+            for rid, job in self._loading.items():
+                failed = len(bad.intersection(job.block_ids))
+                plan = self._plans.get(rid)
+                if failed and plan is not None:
+                    plan.failed = len(job.block_ids)
+                    plan.loaded = 0
+        for rid in connector_output.finished_recving or ():
+            self._loading.pop(rid, None)
+        for rid in connector_output.finished_sending or ():
+            self._saving.pop(rid, None)
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         plan = self._plans.pop(rid, None)
-        self._to_load.pop(rid, None)
-        out = self._said.pop(rid, {})
+        out: dict[str, Any] = {}
         if plan is not None and plan.error:
             out["pffs_error"] = plan.error
+        elif plan is not None and plan.failed:
+            out["pffs_loaded"] = 0
+            out["pffs_error"] = (f"{LOAD} {plan.name!r}: {plan.failed} page(s) failed to load and "
+                                 "were computed instead")
         elif plan is not None:
-            out.setdefault("pffs_loaded", 0)   # (no page matched, or vLLM's prefix cache held them)
+            out["pffs_loaded"] = plan.loaded
         name = self._params(request).get(SAVE)
         if name is None:
             return False, out or None
         n = min(request.num_computed_tokens, max(0, request.num_tokens - 1))
         try:
-            path = self._session(name)
-            if n <= 0:
+            path = session_path(self.root, name)
+            if n <= 0 or not block_ids:
                 raise ValueError("the request has no computed tokens")
-            if name in self._saving.values() or os.path.lexists(path):
+            if path in (session_path(self.root, s) for s in self._saving.values()) \
+                    or os.path.lexists(path):
                 raise FileExistsError(f"a session named {name!r} exists")
             if not path.parent.is_dir():
                 raise FileNotFoundError(f"no folder {str(path.parent)!r} to save it in")
+            stale = path.with_name(path.name + SAVE_FAILED_SUFFIX)
+            if os.path.lexists(stale):
+                os.unlink(stale)    # (an earlier save's failure: this one's outcome is to come)
         except (OSError, ValueError) as e:
-            out["pffs_error"] = f"{SAVE} {name!r}: {e}"
-            log.warning("request %s: %s", rid, out["pffs_error"])
+            msg = f"{SAVE} {name!r}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+            out["pffs_error"] = out["pffs_error"] + "; " + msg if "pffs_error" in out else msg
+            log.warning("request %s: %s", rid, msg)
             return False, out
         blocks = list(block_ids[:-(-n // self.block_size)])
         tokens = [int(t) for t in request.all_token_ids[:n]] if self.store_tokens else None
-        self._to_save.append(SaveJob(rid, name, blocks, n, tokens))
+        self._to_save.append(SaveJob(rid, name, blocks, n, tokens, inputs_of(request)))
         self._saving[rid] = name
-        out.update({SAVE: name, "pffs_saved": n})
+        out.update({SAVE: name, "pffs_save_scheduled": n})
         return True, out
 
-    def update_connector_output(self, connector_output) -> None:
-        for rid in connector_output.finished_sending or ():
-            self._saving.pop(rid, None)
-
     # =================================================================== worker
+
+    def kv_pool(self) -> KVPool:
+        """This rank's KV pool (its heads), as the bridge sees it."""
+        if self._pool is None:
+            raise RuntimeError("PffsConnector: register_kv_caches was not called")
+        return self._pool
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         order = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
         views = [kv_caches[n] for n in self.layer_names]
-        pool = VllmKVPool(views, order, self._kv_cache_config.num_blocks)
-        self._bridge = Bridge(pool, None, engine_name=self.engine, model=self.model)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pffs-vllm-save")
+        pool = self._pool = VllmKVPool(views, order, self._kv_cache_config.num_blocks)
+        load_pool: KVPool = pool
+        if self.tp > 1:
+            import torch.distributed as dist
+            from vllm.distributed import get_tp_group
+            tp = get_tp_group()
+            self._rank = tp.rank_in_group
+            # A group of the connector's own: its gathers run on the save
+            # lane, beside the engine's collectives on its groups.
+            self._group = dist.new_group(ranks=list(tp.ranks), backend="gloo")
+            load_pool = HeadSlicePool(pool, self.n_heads, self._rank * pool.n_heads)
+        workers = os.cpu_count() or 1
+        self._save_bridge = Bridge(pool, None, engine_name=self.engine, model=self.model,
+                                   io_workers=min(4, workers))
+        self._load_bridge = Bridge(load_pool, None, engine_name=self.engine, model=self.model,
+                                   io_workers=min(4, workers))
+        self._lanes = (Lane("save", self.nice[0]), Lane("load", self.nice[1]))
 
-    def _need_bridge(self) -> Bridge:
-        if self._bridge is None:
+    def _need_lanes(self) -> tuple[Lane, Lane]:
+        if self._lanes is None:
             raise RuntimeError("PffsConnector: register_kv_caches was not called")
-        return self._bridge
+        return self._lanes
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PffsConnectorMetadata)
+        save_lane, load_lane = self._need_lanes()
         for job in meta.loads:
-            try:
-                t0 = time.perf_counter()
-                bridge = self._need_bridge()
-                bridge.load_into(self._session(job.name), job.page_ixs, job.block_ids)
-                log.info("request %s: loaded %d pages (%d bytes) of %r in %.3f s", job.req_id,
-                         len(job.page_ixs), len(job.page_ixs) * bridge.pool.page_bytes, job.name,
-                         time.perf_counter() - t0)
-            except (BridgeError, OSError, ValueError) as e:
-                log.error("request %s: %s %r: %s; its %d blocks are computed instead",
-                          job.req_id, LOAD, job.name, e, len(job.block_ids))
-                with self._lock:
-                    self._load_errors.update(job.block_ids)
+            load_lane.submit(job.req_id, functools.partial(self._load, job))
+        for sjob in meta.saves:
+            save_lane.submit(sjob.req_id, functools.partial(self._save, sjob))
+
+    def _load(self, job: LoadJob) -> None:
+        bridge = self._load_bridge
+        assert bridge is not None
+        try:
+            t0 = time.perf_counter()
+            bridge.load_into(session_path(self.root, job.name), job.page_ixs, job.block_ids)
+            log.info("request %s: loaded %d pages (%d bytes) of %r in %.3f s", job.req_id,
+                     len(job.page_ixs), len(job.page_ixs) * bridge.pool.page_bytes, job.name,
+                     time.perf_counter() - t0)
+        except (BridgeError, OSError, ValueError) as e:
+            log.error("request %s: %s %r: %s; its %d blocks are computed instead",
+                      job.req_id, LOAD, job.name, e, len(job.block_ids))
+            with self._lock:
+                self._load_errors.update(job.block_ids)
+
+    def _save(self, job: SaveJob) -> None:
+        bridge = self._save_bridge
+        assert bridge is not None
+        blocks = [BlockId(int(b)) for b in job.block_ids]
+        path = session_path(self.root, job.name)
+        try:
+            t0 = time.perf_counter()
+            if self._group is not None:
+                joined = join_slices(bridge.pool, blocks, self._group, self.tp, self._rank)
+                if joined is None:
+                    return      # (the group's first rank writes the session)
+                bridge = Bridge(joined, None, engine_name=self.engine, model=self.model,
+                                io_workers=bridge.io_workers)
+                blocks = [BlockId(i) for i in range(len(blocks))]
+            seq = SeqBlocks(job.req_id, blocks, job.n_tokens, job.token_ids)
+            m = bridge.page_out([seq], path, include_token_ids=self.store_tokens,
+                                extra={INPUTS: job.inputs} if job.inputs else None)
+            log.info("request %s: saved %d pages (%d bytes) as %r in %.3f s", job.req_id,
+                     len(m.pages), len(m.pages) * bridge.pool.page_bytes, job.name,
+                     time.perf_counter() - t0)
+        except Exception as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+            line = f"{SAVE} {job.name!r}: {why}"
+            log.error("request %s: %s", job.req_id, line)
+            self._record_failure(path, line)
+
+    @staticmethod
+    def _record_failure(path: Path, line: str) -> None:
+        """``NAME.save-failed`` beside where the session was to be: *line*."""
+        record = path.with_name(path.name + SAVE_FAILED_SUFFIX)
+        tmp = path.with_name(f".{path.name}{SAVE_FAILED_SUFFIX}.{os.getpid()}")
+        try:
+            tmp.write_text(line + "\n")
+            os.replace(tmp, record)
+        except OSError as e:
+            log.error("%s: cannot record the failure: %s", record, e.strerror or e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -313,32 +381,15 @@ class PffsConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PffsConnectorMetadata)
-        bridge = self._need_bridge()
-        assert self._pool is not None
-        for job in meta.saves:
-            self._saves[job.req_id] = self._pool.submit(self._save, bridge, job)
-
-    def _save(self, bridge: Bridge, job: SaveJob) -> None:
-        seq = SeqBlocks(job.req_id, [BlockId(int(b)) for b in job.block_ids], job.n_tokens, job.token_ids)
-        try:
-            t0 = time.perf_counter()
-            m = bridge.page_out([seq], self._session(job.name), include_token_ids=self.store_tokens)
-            log.info("request %s: saved %d pages (%d bytes) as %r in %.3f s", job.req_id,
-                     len(m.pages), len(m.pages) * bridge.pool.page_bytes, job.name,
-                     time.perf_counter() - t0)
-        except Exception as e:
-            log.error("request %s: %s %r failed: %s", job.req_id, SAVE, job.name, e)
-            raise
+        return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = {rid for rid, f in self._saves.items() if f.done()}
-        for rid in done:
-            del self._saves[rid]
-        return (done or None), None
+        save_lane, load_lane = self._need_lanes()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, PffsConnectorMetadata) and meta.idle:
+            wait_lanes((save_lane, load_lane), IDLE_WAIT)
+        sent, recvd = save_lane.take_done(), load_lane.take_done()
+        return (sent or None), (recvd or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -346,5 +397,6 @@ class PffsConnector(KVConnectorBase_V1):
         return bad
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._lanes is not None:
+            for lane in self._lanes:
+                lane.close()

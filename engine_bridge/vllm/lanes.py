@@ -1,0 +1,167 @@
+"""The vLLM connector's worker half: two lanes that move pages beside the step.
+
+A *lane* is one thread with a queue of jobs and a bridge of its own (its own
+staging and lock), so a load never waits behind a save's page-out and
+neither runs on the thread that steps the model.  Jobs end by being put in
+the lane's ``done`` list, which the connector hands to vLLM from
+``get_finished``.
+
+Tensor parallel: each rank's pool holds a slice of the KV heads, and a session
+holds whole-head pages (SPEC §1: sessions do not depend on parallelism).
+:class:`HeadSlicePool` scatters a whole-head page's slice into a rank's pool
+on a load; :func:`join_slices` gathers every rank's slice of the pages of a
+save to the first rank of the group, which alone writes the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from engine_bridge.core.pool import FLASHINFER, KVPool
+
+log = logging.getLogger("vllm.pffs")
+
+
+def widen_thread(nice: int) -> None:
+    """Let the calling thread run on every core this process may use, at *nice*.
+
+    vLLM's CPU workers bind themselves to the cores of their OpenMP threads
+    (one core per worker with ``VLLM_CPU_OMP_THREADS_BIND``): a lane bound
+    there would take its time from the step.  Thread-level on Linux;
+    elsewhere it does nothing."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
+@dataclass
+class Lane:
+    """One thread running jobs in order: ``submit(rid, fn)``; ``take_done()``.
+
+    *fn* runs on the lane's thread; whatever it raises is logged by the
+    caller's function itself (a job reports its own failure), and the request
+    id is put in ``done`` either way.
+    """
+
+    name: str
+    nice: int = 0
+    done: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = 0
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"pffs-{self.name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, rid: str, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._busy += 1
+        self._q.put((rid, fn))
+
+    def _run(self) -> None:
+        widen_thread(self.nice)
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            rid, fn = item
+            try:
+                fn()
+            except BaseException:   # (the job logged it; the lane goes on)
+                log.exception("%s lane: request %s", self.name, rid)
+            with self._cv:
+                self._busy -= 1
+                self.done.add(rid)
+                self._cv.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy > 0
+
+    def take_done(self) -> set[str]:
+        with self._cv:
+            got, self.done = self.done, set()
+        return got
+
+    def wait_any(self, timeout: float) -> None:
+        """Until a job ends or *timeout* seconds pass (returns at once when idle)."""
+        with self._cv:
+            if self._busy and not self.done:
+                self._cv.wait(timeout)
+
+    def close(self, timeout: float = 600.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+
+def wait_lanes(lanes: Sequence[Lane], timeout: float) -> None:
+    """Until a job of any of *lanes* ends, or *timeout* seconds pass."""
+    end = time.monotonic() + timeout
+    busy = [lane for lane in lanes if lane.busy]
+    while busy and not any(lane.done for lane in lanes):
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        busy[0].wait_any(min(left, 0.005) if len(busy) > 1 else left)
+
+
+class HeadSlicePool(KVPool):
+    """A rank's pool of heads ``first .. first + inner.n_heads - 1`` of
+    *n_heads*, seen as a pool of whole-head pages: a load's page bytes are a
+    whole session page and only this rank's heads are scattered."""
+
+    def __init__(self, inner: KVPool, n_heads: int, first: int):
+        if not 0 <= first <= n_heads - inner.n_heads:
+            raise ValueError(f"heads {first}..{first + inner.n_heads - 1} are not among {n_heads}")
+        self.__dict__.update(inner.__dict__)
+        self.inner, self.n_heads, self.first = inner, n_heads, first
+
+    def gather(self, index, out: torch.Tensor) -> None:
+        raise NotImplementedError("a rank's pool is saved through join_slices")
+
+    def scatter(self, index, src: torch.Tensor) -> None:
+        d = self.head_dim * self.itemsize
+        rows = src.view(src.shape[0], 2, self.n_layers, self.block_size, self.n_heads, d)
+        mine = rows[:, :, :, :, self.first:self.first + self.inner.n_heads].contiguous()
+        self.inner.scatter(index, mine.view(src.shape[0], -1))
+
+
+def join_slices(pool: KVPool, blocks: Sequence[int], group: Any, n_ranks: int,
+                rank: int) -> KVPool | None:
+    """Every rank of *group* gives the page bytes of its *blocks* (its heads);
+    the first rank gets back a pool of ``len(blocks)`` blocks holding the
+    whole-head pages (block i: page i), the others None.
+
+    One gather over *group*, a gloo group of the connector's own (a
+    collective never shares a group with the engine's threads)."""
+    import torch.distributed as dist
+    n = len(blocks)
+    mine = torch.empty((n, pool.page_bytes), dtype=torch.uint8, device=pool.device)
+    if n:
+        pool.gather(pool.as_index(list(blocks)), mine)
+    mine = mine.cpu()
+    parts = [torch.empty_like(mine) for _ in range(n_ranks)] if rank == 0 else None
+    dist.gather(mine, parts, dst=dist.get_global_rank(group, 0), group=group)
+    if parts is None:
+        return None
+    d = pool.head_dim * pool.itemsize
+    shape = (n, 2, pool.n_layers, pool.block_size, pool.n_heads, d)
+    whole = torch.cat([p.view(shape) for p in parts], dim=4)      # [n, 2, L, T, H, d]
+    typed = whole.view(pool.dtype)                                  # [n, 2, L, T, H, D]
+    joined = KVPool([typed[:, :, layer] for layer in range(pool.n_layers)], FLASHINFER, pool.kv)
+    joined.engine_info = pool.engine_info  # type: ignore[method-assign]  # (the engine's own layout)
+    return joined
