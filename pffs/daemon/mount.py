@@ -31,7 +31,9 @@ from pffs import namespace
 from pffs.daemon import heap
 from pffs.errors import PffsError
 from pffs.fs.write_stage import journal_inode
+from pffs.manifest import MAX_MANIFEST_BYTES
 from pffs.names import FS_SUBTYPE
+from pffs.namespace import prefix_index
 from pffs.store.local import PutBatch
 from pffs.store.storedir import StoreDir
 
@@ -297,6 +299,12 @@ class Daemon:
                 n = namespace.cleanup_orphans(conn)
             if n:
                 log.info("removed %d unlinked inodes left open by the previous run", n)
+            if not prefix_index.is_built(conn):
+                # (after a migration from schema 8: the keys need the manifests' bytes)
+                with namespace.transaction(conn):
+                    lists, keys = prefix_index.rebuild(conn, functools.partial(
+                        namespace.read_file, conn, st.blobs, max_size=MAX_MANIFEST_BYTES))
+                log.info("built the prefix index: %d keys of %d manifests", keys, lists)
             stored = namespace.stored_bytes(conn)
         finally:
             conn.close()
