@@ -112,6 +112,22 @@ def manifest_namespace(manifest: Mapping[str, Any]) -> str:
                          manifest.get("kv"), manifest.get("layout", "paged-batchinvariant-v1"))
 
 
+def keys_value(space: str, keys: Sequence[str]) -> bytes:
+    """The value of the ``user.pffs.prefix`` and ``user.pffs.prefix.touch`` xattrs."""
+    return " ".join([space, *keys]).encode("ascii")
+
+
+def parse_keys_value(value: bytes) -> tuple[str, list[str]]:
+    """(namespace, keys) of an xattr value made by :func:`keys_value` (ValueError if it is not)."""
+    try:
+        words = value.decode("ascii").split()
+    except UnicodeDecodeError:
+        raise ValueError("not ASCII") from None
+    if len(words) < 2 or not all(len(w) == 64 and all(c in "0123456789abcdef" for c in w) for w in words):
+        raise ValueError("not a namespace and keys of 64 lowercase hex digits each")
+    return words[0], words[1:]
+
+
 def seq_page_keys(page_ixs: Sequence[int], token_ids: Sequence[int], page_size: int,
                   seed: bytes = b"") -> list[tuple[int, str]]:
     """(page index, key) of each full page of one logical sequence."""

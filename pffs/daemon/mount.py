@@ -60,6 +60,7 @@ class MountOptions:
     allow_other: bool = False
     cache_size: int = 128 << 20
     max_size: int | None = None
+    prefix_cache_size: int = 4 << 30  # bytes of pages the key-only prefix cache keeps (SPEC §7)
     codec: str | None = None
     staging_memory: int = 128 << 20
     snapshot_interval: float = 300.0
@@ -115,6 +116,8 @@ def parse_options(opts: list[str]) -> MountOptions:
                 o.cache_size = parse_size(val)
             elif key == "max_size":
                 o.max_size = parse_size(val)
+            elif key == "prefix_cache_size":
+                o.prefix_cache_size = parse_size(val)
             elif key == "codec":
                 from pffs.codec import parse_codec
                 try:
@@ -357,7 +360,7 @@ class Daemon:
                          live_mount=str(mountpoint), socket_path=str(st.socket_path),
                          store_root=str(st.root),
                          store_json=direct.store_json(direct.store_info(st, opts.max_size, read_only=ro)),
-                         read_only=ro)
+                         read_only=ro, prefix_cache_size=opts.prefix_cache_size)
         assert handlers.engines is not None     # (live_mount given)
         live = LiveEngines.listen(st.socket_path, handlers.engines.registry)
         fuse_opts = set(pyfuse3.default_options)

@@ -95,7 +95,8 @@ def blob_status(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: b
     s.indexed = {d: (raw, stored) for d, raw, stored in
                  conn.execute("SELECT digest, raw_size, stored_size FROM blobs")}
     s.held = {d for (d,) in conn.execute("SELECT DISTINCT blob FROM blocks")}
-    s.listed = {d for (d,) in conn.execute("SELECT DISTINCT digest FROM manifest_pages")}
+    s.listed = {d for (d,) in conn.execute("SELECT digest FROM manifest_pages UNION SELECT digest"
+                                           " FROM cached_keys")}
     for d in s.held - s.on_disk:
         s.bad[d] = "is missing"
     todo = sorted(s.on_disk)

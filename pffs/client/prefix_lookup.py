@@ -1,0 +1,92 @@
+"""What a mount holds for a prompt's leading pages, by their token chain keys (SPEC §7).
+
+An engine computes the keys of a request's full pages
+(:func:`pffs.client.chainkeys.chain_keys`, in the namespace of its model and
+KV layout, :func:`~pffs.client.chainkeys.key_namespace`) and asks
+:func:`longest_prefix` for the digests of the leading run of them that the
+mount's store holds, whichever sessions hold them (or the key-only cache);
+it then reads those blobs (the direct path, ``pffs.client.access``) or
+forks them into a session.
+
+The lookup reads the mount's namespace read-only beside the daemon, as
+``pffs du`` does (:func:`pffs.client.du.open_namespace`): one indexed query
+per key asked, none through FUSE.  Hits that only the key-only cache gave
+are marked used with one setxattr on the mount's root
+(``user.pffs.prefix.touch``), which the daemon writes: a reader never writes
+the namespace.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+from collections.abc import Sequence
+
+from pffs.client.chainkeys import keys_value
+from pffs.client.du import open_namespace
+from pffs.errors import PffsError
+from pffs.names import PREFIX_TOUCH_XATTR, PREFIX_XATTR
+from pffs.namespace import prefix_index
+from pffs.types import Digest
+
+#: Keys per touch (an xattr value holds at most 64 KiB).
+TOUCH_BATCH = 900
+
+
+class PrefixIndex:
+    """A mount's prefix index, its namespace held open for repeated lookups."""
+
+    def __init__(self, mountpoint: str | os.PathLike):
+        self.mountpoint = os.fspath(mountpoint)
+        self.conn: sqlite3.Connection = open_namespace(self.mountpoint)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> PrefixIndex:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def longest_prefix(self, space: str, keys: Sequence[str], *, touch: bool = True) -> list[Digest]:
+        """The digests of the leading run of *keys* (hex, in namespace *space*) that the
+        store holds: ``[]`` when the first is not found.  *touch*: key-only hits count
+        as used for the cache's LRU order."""
+        self.conn.execute("BEGIN")     # (one read transaction: one snapshot of the index)
+        try:
+            found = prefix_index.find(self.conn, space, keys)
+        finally:
+            self.conn.execute("COMMIT")
+        cached = [k for k, (_, only_cache) in zip(keys, found) if only_cache]
+        if touch and cached:
+            touch_keys(self.mountpoint, space, cached)
+        return [d for d, _ in found]
+
+
+def longest_prefix(mountpoint: str | os.PathLike, space: str, keys: Sequence[str], *,
+                   touch: bool = True) -> list[Digest]:
+    """:meth:`PrefixIndex.longest_prefix` with the namespace opened for this one lookup."""
+    with PrefixIndex(mountpoint) as index:
+        return index.longest_prefix(space, keys, touch=touch)
+
+
+def touch_keys(mountpoint: str | os.PathLike, space: str, keys: Sequence[str]) -> None:
+    """Mark key-only cache rows of *keys* used now (the daemon writes it)."""
+    for k in range(0, len(keys), TOUCH_BATCH):
+        try:
+            os.setxattr(mountpoint, PREFIX_TOUCH_XATTR, keys_value(space, keys[k:k + TOUCH_BATCH]))
+        except OSError as e:
+            if e.errno == errno.EROFS:
+                return      # (a read-only mount keeps its cache as it is)
+            raise PffsError(f"{mountpoint}: cannot mark prefix cache keys used: {e.strerror}") from None
+
+
+def cache_page(path: str | os.PathLike, space: str, key: str) -> None:
+    """Keep the page file at *path* (in a mount) in the key-only prefix cache under *key*:
+    its blob stays, found by the key, after the file is removed, until evicted."""
+    try:
+        os.setxattr(path, PREFIX_XATTR, keys_value(space, [key]))
+    except OSError as e:
+        raise PffsError(f"{path}: cannot keep it by key: {e.strerror}") from None
