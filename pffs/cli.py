@@ -225,6 +225,32 @@ def cmd_tree(args) -> int:
     return 0
 
 
+def cmd_prefix(args) -> int:
+    import json
+
+    from pffs.client.prefix_lookup import prefix_report
+    tokens = None
+    if args.tokens is not None:
+        try:
+            with open(args.tokens) as f:
+                tokens = json.load(f)
+        except (OSError, ValueError) as e:
+            raise PffsError(f"{args.tokens}: not a readable JSON list of token ids ({e})") from None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+            raise PffsError(f"{args.tokens}: not a JSON list of token ids")
+    r = prefix_report(args.session, tokens)
+    if args.json:
+        print(json.dumps({"namespace": r.space, "page_size_tokens": r.page_size_tokens, "found": r.found,
+                          "pages": [vars(p) for p in r.pages]}, indent=2))
+        return 0
+    print(f"namespace {r.space[:16]}: {len(r.pages)} full pages of {r.page_size_tokens} tokens keyed,"
+          f" the store holds the first {r.found}")
+    for p in r.pages:
+        who = ", ".join(p.holders) + (" (key-only cache)" if p.cached else "") or "-"
+        print(f"{p.index:6d}  {p.key[:16]}  {who}")
+    return 0
+
+
 def cmd_mount(args) -> int:
     if args.foreground and args.own_process:
         from pffs.daemon import heap
@@ -401,6 +427,14 @@ def _tree_args(s) -> None:
     s.set_defaults(func=cmd_tree)
 
 
+def _prefix_args(s) -> None:
+    s.add_argument("session", help="a session in a mounted pffs: its first sequence with token_ids")
+    s.add_argument("--tokens", metavar="FILE", help="a JSON list of token ids to look up instead, in"
+                   " the key namespace of SESSION's model and geometry")
+    s.add_argument("--json", action="store_true", help="print JSON (full keys)")
+    s.set_defaults(func=cmd_prefix)
+
+
 def _remote(name: str):
     """A command of pffs.bucket.transfer, imported when it runs (S3 clients are slow to import)."""
     def run(args):
@@ -454,6 +488,7 @@ COMMANDS = [
     ("gc", "remove blobs no file holds and no manifest lists (mounted or not)", _gc_args),
     ("prune", "remove old sessions under a folder of a mounted pffs, then gc", _prune_args),
     ("tree", "draw the sessions under a folder as the tree of the page prefixes they share", _tree_args),
+    ("prefix", "who holds a session's token prefix, page by page (the prefix index)", _prefix_args),
     ("push", "publish a session's manifest to the S3 bucket (no page bytes move)", _push_args),
     ("pull", "make a session published in the bucket appear in a mount", _pull_args),
     ("ls-remote", "list the sessions published in the bucket", _ls_remote_args),

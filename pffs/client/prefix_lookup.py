@@ -22,12 +22,14 @@ import errno
 import os
 import sqlite3
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from pffs.client.chainkeys import keys_value
-from pffs.client.du import open_namespace
+from pffs import manifest as mf
+from pffs.client.chainkeys import INPUTS_FIELD, chain_keys, key_namespace, keys_value
+from pffs.client.du import open_namespace, target
 from pffs.errors import PffsError
 from pffs.names import PREFIX_TOUCH_XATTR, PREFIX_XATTR
-from pffs.namespace import prefix_index
+from pffs.namespace import path_of, prefix_index
 from pffs.types import Digest
 
 #: Keys per touch (an xattr value holds at most 64 KiB).
@@ -90,3 +92,58 @@ def cache_page(path: str | os.PathLike, space: str, key: str) -> None:
         os.setxattr(path, PREFIX_XATTR, keys_value(space, [key]))
     except OSError as e:
         raise PffsError(f"{path}: cannot keep it by key: {e.strerror}") from None
+
+
+# -- pffs prefix ---------------------------------------------------------------------
+
+@dataclass
+class PrefixPage:
+    """One keyed page of ``pffs prefix``'s answer."""
+    index: int                  # the page's place in the sequence asked about
+    key: str
+    holders: list[str]          # sessions (folders) whose manifests list a page under this key
+    cached: bool                # the key-only cache keeps a page under it
+
+
+@dataclass
+class PrefixReport:
+    space: str
+    page_size_tokens: int
+    pages: list[PrefixPage]
+    found: int                  # leading pages the store holds (what longest_prefix gives)
+
+
+def prefix_report(session: str, tokens: Sequence[int] | None = None, *, most: int = 3) -> PrefixReport:
+    """``pffs prefix``: who holds the full pages of *session*'s first sequence with tokens
+    (or of *tokens*, keyed in the namespace of *session*'s manifest), at most *most*
+    holders named a page."""
+    place = target(session)
+    try:
+        with open(os.path.join(session, mf.MANIFEST_NAME), "rb") as f:
+            m = mf.parse(f.read(mf.MAX_MANIFEST_BYTES + 1))
+    except OSError as e:
+        raise PffsError(f"{session}: no readable manifest.json ({e.strerror})") from None
+    except mf.ManifestError as e:
+        raise PffsError(f"{session}: manifest.json is not valid ({e})") from None
+    space = key_namespace(m.model, m.dtype, m.n_layers, m.n_heads, m.head_dim, m.page_size_tokens,
+                          m.kv, m.layout)
+    if tokens is None:
+        seq = next((s for s in m.logical_seqs if s.token_ids), None)
+        tokens = seq.token_ids if seq is not None and not m.extra.get(INPUTS_FIELD) else []
+    keys = chain_keys(tokens or [], m.page_size_tokens)
+    conn = open_namespace(place.mount)
+    try:
+        conn.execute("BEGIN")
+        pages = []
+        for i, key in enumerate(keys):
+            held = prefix_index.holders(conn, space, key)
+            names = [os.path.dirname(path_of(conn, ino)) or "/" for ino, _ in held[:most]]
+            if len(held) > most:
+                names.append(f"(+{len(held) - most} more)")
+            hit = prefix_index.find(conn, space, [key])
+            pages.append(PrefixPage(i, key, names, bool(hit) and hit[0][1]))
+        found = len(prefix_index.find(conn, space, keys))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return PrefixReport(space, m.page_size_tokens, pages, found)
