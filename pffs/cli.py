@@ -226,29 +226,8 @@ def cmd_tree(args) -> int:
 
 
 def cmd_prefix(args) -> int:
-    import json
-
-    from pffs.client.prefix_lookup import prefix_report
-    tokens = None
-    if args.tokens is not None:
-        try:
-            with open(args.tokens) as f:
-                tokens = json.load(f)
-        except (OSError, ValueError) as e:
-            raise PffsError(f"{args.tokens}: not a readable JSON list of token ids ({e})") from None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise PffsError(f"{args.tokens}: not a JSON list of token ids")
-    r = prefix_report(args.session, tokens)
-    if args.json:
-        print(json.dumps({"namespace": r.space, "page_size_tokens": r.page_size_tokens, "found": r.found,
-                          "pages": [vars(p) for p in r.pages]}, indent=2))
-        return 0
-    print(f"namespace {r.space[:16]}: {len(r.pages)} full pages of {r.page_size_tokens} tokens keyed,"
-          f" the store holds the first {r.found}")
-    for p in r.pages:
-        who = ", ".join(p.holders) + (" (key-only cache)" if p.cached else "") or "-"
-        print(f"{p.index:6d}  {p.key[:16]}  {who}")
-    return 0
+    from pffs.client.prefix_lookup import prefix_command
+    return prefix_command(args.session, args.tokens, args.json)
 
 
 def cmd_mount(args) -> int:

@@ -76,6 +76,12 @@ def test_a_sessions_pages_are_found_by_tokens_through_forks_and_remounts_until_r
     report = json.loads(pffs("prefix", "--json", m.path / "a").stdout)
     assert report["found"] == 5 and [p["key"] for p in report["pages"]] == keys
     assert report["pages"][0]["holders"] == ["/a", "/b", "/c"]
+    text = pffs("prefix", m.path / "b").stdout
+    assert "5 full pages of 16 tokens keyed, the store holds the first 5" in text
+    assert f"     4  {keys[4][:16]}  /a, /b, /c" in text
+    (m.path / "tokens.json").write_text(json.dumps(tokens[:2 * T] + [5] * T))
+    asked = json.loads(pffs("prefix", "--json", "--tokens", m.path / "tokens.json", m.path / "c").stdout)
+    assert asked["found"] == 2 and len(asked["pages"]) == 3 and asked["pages"][2]["holders"] == []
     assert m.stop() == 0
     m.start()
     assert longest_prefix(m.path, space, keys) == man.pages[:5]

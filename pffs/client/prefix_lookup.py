@@ -147,3 +147,28 @@ def prefix_report(session: str, tokens: Sequence[int] | None = None, *, most: in
     finally:
         conn.close()
     return PrefixReport(space, m.page_size_tokens, pages, found)
+
+
+def prefix_command(session: str, tokens_file: str | None, as_json: bool, out=print) -> int:
+    """``pffs prefix SESSION [--tokens FILE] [--json]``: print :func:`prefix_report`."""
+    import json
+    tokens = None
+    if tokens_file is not None:
+        try:
+            with open(tokens_file) as f:
+                tokens = json.load(f)
+        except (OSError, ValueError) as e:
+            raise PffsError(f"{tokens_file}: not a readable JSON list of token ids ({e})") from None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+            raise PffsError(f"{tokens_file}: not a JSON list of token ids")
+    r = prefix_report(session, tokens)
+    if as_json:
+        out(json.dumps({"namespace": r.space, "page_size_tokens": r.page_size_tokens, "found": r.found,
+                        "pages": [vars(p) for p in r.pages]}, indent=2))
+        return 0
+    out(f"namespace {r.space[:16]}: {len(r.pages)} full pages of {r.page_size_tokens} tokens keyed,"
+        f" the store holds the first {r.found}")
+    for p in r.pages:
+        who = ", ".join(p.holders) + (" (key-only cache)" if p.cached else "")
+        out(f"{p.index:6d}  {p.key[:16]}  {who or '-'}")
+    return 0
