@@ -14,8 +14,8 @@ import json
 import os
 import sqlite3
 
-from lifecycle_helpers import gc, run
-from mountutil import pffs, wait_for
+from lifecycle_helpers import count, gc, rm_r, run
+from mountutil import pffs
 from sessions import GEOMETRY, digest, varied_pages
 
 from pffs import manifest as mf
@@ -40,21 +40,7 @@ def write_session(path, pages: list[bytes], tokens: list[int]) -> tuple[mf.Manif
     return m, ck.manifest_namespace(json.loads(m.to_json())), ck.chain_keys(tokens, T)
 
 
-def count(mnt, query: str) -> int:
-    c = sqlite3.connect(f"file:{mnt.store / 'namespace.db'}?mode=ro", uri=True)
-    try:
-        return c.execute(query).fetchone()[0]
-    finally:
-        c.close()
-
-
 KEYED = "SELECT COUNT(*) FROM manifest_pages WHERE key IS NOT NULL"
-
-
-def rm_r(mnt, *paths) -> None:
-    run("rm", "-r", *paths)
-    wait_for(lambda: count(mnt, "SELECT COUNT(*) FROM inodes WHERE nlink = 0") == 0,
-             what="the removed files to be forgotten")
 
 
 def test_a_sessions_pages_are_found_by_tokens_through_forks_and_remounts_until_removed(
