@@ -225,11 +225,6 @@ def cmd_tree(args) -> int:
     return 0
 
 
-def cmd_prefix(args) -> int:
-    from pffs.client.prefix_lookup import prefix_command
-    return prefix_command(args.session, args.tokens, args.json)
-
-
 def cmd_mount(args) -> int:
     if args.foreground and args.own_process:
         from pffs.daemon import heap
@@ -407,11 +402,8 @@ def _tree_args(s) -> None:
 
 
 def _prefix_args(s) -> None:
-    s.add_argument("session", help="a session in a mounted pffs: its first sequence with token_ids")
-    s.add_argument("--tokens", metavar="FILE", help="a JSON list of token ids to look up instead, in"
-                   " the key namespace of SESSION's model and geometry")
-    s.add_argument("--json", action="store_true", help="print JSON (full keys)")
-    s.set_defaults(func=cmd_prefix)
+    from pffs.client.prefix_lookup import add_arguments
+    add_arguments(s)
 
 
 def _remote(name: str):

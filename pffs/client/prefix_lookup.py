@@ -172,3 +172,12 @@ def prefix_command(session: str, tokens_file: str | None, as_json: bool, out=pri
         who = ", ".join(p.holders) + (" (key-only cache)" if p.cached else "")
         out(f"{p.index:6d}  {p.key[:16]}  {who or '-'}")
     return 0
+
+
+def add_arguments(s) -> None:
+    """``pffs prefix``'s arguments (pffs.cli's parser)."""
+    s.add_argument("session", help="a session in a mounted pffs: its first sequence with token_ids")
+    s.add_argument("--tokens", metavar="FILE", help="a JSON list of token ids to look up instead, in"
+                   " the key namespace of SESSION's model and geometry")
+    s.add_argument("--json", action="store_true", help="print JSON (full keys)")
+    s.set_defaults(func=lambda args: prefix_command(args.session, args.tokens, args.json))
