@@ -366,6 +366,11 @@ def _du_args(s) -> None:
     s.set_defaults(func=cmd_du)
 
 
+def _prefix_args(s) -> None:
+    from pffs.client.prefix_lookup import add_arguments
+    add_arguments(s)
+
+
 def _check_args(s) -> None:
     s.add_argument("--store", help="store directory")
     s.add_argument("--read-data", action="store_true", help="read, decompress and re-hash every blob")
@@ -399,11 +404,6 @@ def _tree_args(s) -> None:
     s.add_argument("--lines", type=int, metavar="N", help="show at most N lines below the first, the"
                    " biggest branches first (default 60; 1000 in the SVG; 0: all)")
     s.set_defaults(func=cmd_tree)
-
-
-def _prefix_args(s) -> None:
-    from pffs.client.prefix_lookup import add_arguments
-    add_arguments(s)
 
 
 def _remote(name: str):
