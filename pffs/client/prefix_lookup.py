@@ -75,13 +75,15 @@ def longest_prefix(mountpoint: str | os.PathLike, space: str, keys: Sequence[str
 
 
 def touch_keys(mountpoint: str | os.PathLike, space: str, keys: Sequence[str]) -> None:
-    """Mark key-only cache rows of *keys* used now (the daemon writes it)."""
+    """Mark key-only cache rows of *keys* used now (the daemon writes it).  Best effort: on
+    a read-only mount, or for a caller who may not write the mount's root, the cache keeps
+    its order."""
     for k in range(0, len(keys), TOUCH_BATCH):
         try:
             os.setxattr(mountpoint, PREFIX_TOUCH_XATTR, keys_value(space, keys[k:k + TOUCH_BATCH]))
         except OSError as e:
-            if e.errno == errno.EROFS:
-                return      # (a read-only mount keeps its cache as it is)
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return
             raise PffsError(f"{mountpoint}: cannot mark prefix cache keys used: {e.strerror}") from None
 
 
