@@ -376,6 +376,11 @@ def _du_args(s) -> None:
     s.set_defaults(func=cmd_du)
 
 
+def _prefix_args(s) -> None:
+    from pffs.client.prefix_lookup import add_arguments
+    add_arguments(s)
+
+
 def _check_args(s) -> None:
     s.add_argument("--store", help="store directory")
     s.add_argument("--read-data", action="store_true", help="read, decompress and re-hash every blob")
@@ -472,6 +477,7 @@ COMMANDS = [
     ("gc", "remove blobs no file holds and no manifest lists (mounted or not)", _gc_args),
     ("prune", "remove old sessions under a folder of a mounted pffs, then gc", _prune_args),
     ("tree", "draw the sessions under a folder as the tree of the page prefixes they share", _tree_args),
+    ("prefix", "who holds a session's token prefix, page by page (the prefix index)", _prefix_args),
     ("push", "publish a session's manifest to the S3 bucket (no page bytes move)", _push_args),
     ("pull", "make a session published in the bucket appear in a mount", _pull_args),
     ("ls-remote", "list the sessions published in the bucket", _ls_remote_args),

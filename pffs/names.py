@@ -64,6 +64,13 @@ SAVE_XATTR = "user.pffs.save"
 LOAD_XATTR = "user.pffs.load"
 #: On a file ``pffs repair`` put in ``lost+found``: why it is there.
 LOST_XATTR = "user.pffs.lost"
+#: Write-only, on a regular file holding one page: ``<namespace> <key>`` (hex,
+#: pffs.client.chainkeys), which keeps the file's blob in the key-only prefix
+#: cache under that key, whatever becomes of the file (SPEC §7).
+PREFIX_XATTR = "user.pffs.prefix"
+#: Write-only, on any file or folder: ``<namespace> <key> <key>...``, the
+#: key-only prefix cache's rows of those keys marked used now (LRU).
+PREFIX_TOUCH_XATTR = "user.pffs.prefix.touch"
 
 DIGEST_XATTR_B = DIGEST_XATTR.encode()
 ENTRIES_XATTR_B = ENTRIES_XATTR.encode()
@@ -73,6 +80,8 @@ FORK_XATTR_B = FORK_XATTR.encode()
 SAVE_XATTR_B = SAVE_XATTR.encode()
 LOAD_XATTR_B = LOAD_XATTR.encode()
 LOST_XATTR_B = LOST_XATTR.encode()
+PREFIX_XATTR_B = PREFIX_XATTR.encode()
+PREFIX_TOUCH_XATTR_B = PREFIX_TOUCH_XATTR.encode()
 
 # -- the direct data path ------------------------------------------------------
 

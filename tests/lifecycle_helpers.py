@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 from pathlib import Path
 
-from mountutil import pffs
+from mountutil import pffs, wait_for
 
 
 def copy_file(src: Path, dst: Path) -> None:
@@ -50,3 +51,20 @@ def run(*cmd, **kw) -> subprocess.CompletedProcess:
 
 def read_tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def count(mnt, query: str) -> int:
+    """A count in the mounted store's namespace (read beside the daemon)."""
+    c = sqlite3.connect(f"file:{mnt.store / 'namespace.db'}?mode=ro", uri=True)
+    try:
+        return c.execute(query).fetchone()[0]
+    finally:
+        c.close()
+
+
+def rm_r(mnt, *paths) -> None:
+    """rm -r through the mount, then wait for the kernel to let go of what it removed
+    (an unlinked inode keeps its blobs until the kernel's forget)."""
+    run("rm", "-r", *paths)
+    wait_for(lambda: count(mnt, "SELECT COUNT(*) FROM inodes WHERE nlink = 0") == 0,
+             what="the removed files to be forgotten")

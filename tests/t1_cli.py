@@ -25,6 +25,7 @@ SAMPLES = [
     ["gc", "--dry-run", "--grace", "0"],
     ["prune", "/p", "--keep-last", "2"],
     ["tree", "/p", "--svg", "t.svg", "--lines", "10"],
+    ["prefix", "/m/s", "--tokens", "t.json", "--json"],
     ["push", "s", "n", "--force"],
     ["pull", "n", "/d"],
     ["ls-remote", "--json"],

@@ -170,8 +170,9 @@ def test_a_sound_store_checks_clean_and_repair_changes_nothing(root, bf16_pages)
     for read_data in (False, True):
         r = run_check(root, read_data)
         assert r.clean and r.damage == [] and r.notes == [] and r.bad_files == {}
-        # 5 pages, 2 manifests, 1 file.
-        assert r.counts == {"blobs_on_disk": 8, "blobs_indexed": 8, "garbage_blobs": 0, "sessions": 2}
+        # 5 pages, 2 manifests, 1 file; every page full and keyed by its tokens.
+        assert r.counts == {"blobs_on_disk": 8, "blobs_indexed": 8, "garbage_blobs": 0, "sessions": 2,
+                            "prefix_keys": 5}
     result, after = run_repair(root, read_data=True)
     assert result.actions == [] and result.restored_snapshot is None
     assert after.clean and after.counts["blobs_on_disk"] == 8

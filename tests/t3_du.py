@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 
-from lifecycle_helpers import gc, run, stats
-from mountutil import pffs, wait_for
+from lifecycle_helpers import count, gc, rm_r, run, stats
+from mountutil import pffs
 from pffs import manifest as mf
 from pffs.store.storedir import StoreDir
 from sessions import digest, varied_pages, write_session
@@ -32,25 +31,8 @@ def session_bytes(path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def count(mnt, query: str) -> int:
-    """A count in the mounted store's namespace (read beside the daemon)."""
-    c = sqlite3.connect(f"file:{mnt.store / 'namespace.db'}?mode=ro", uri=True)
-    try:
-        return c.execute(query).fetchone()[0]
-    finally:
-        c.close()
-
-
 def folds(mnt) -> int:
     return count(mnt, "SELECT COUNT(*) FROM folds")
-
-
-def rm_r(mnt, path) -> None:
-    """rm -r through the mount, then wait for the kernel to let go of what it removed
-    (an unlinked inode keeps its blobs until the kernel's forget)."""
-    run("rm", "-r", path)
-    wait_for(lambda: count(mnt, "SELECT COUNT(*) FROM inodes WHERE nlink = 0") == 0,
-             what="the removed files to be forgotten")
 
 
 def test_a_forks_own_bytes_are_the_page_it_rewrote_and_rm_and_gc_free_exactly_them(mnt, bf16_pages):

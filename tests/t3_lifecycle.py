@@ -220,6 +220,8 @@ SCHEMA_3_BLOCKS = [
 SCHEMA_4_FOLDS = ["DROP TABLE folds"]
 SCHEMA_5_WHOLE_LISTS = ["DROP TABLE whole_lists"]
 SCHEMA_6_READDIR = ["DROP INDEX dentries_parent_id"]
+SCHEMA_8_PREFIX = ["DROP TABLE key_spaces", "DROP TABLE cached_keys",
+                   "DELETE FROM meta WHERE key='prefix_index'"]
 
 
 def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_path):
@@ -228,7 +230,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     manifest's bytes; schemas 1-3 indexed every blocks row by blob; schemas
     1-4 made a fork's page files at once (no folds); schemas 1-5 did not
     remember which page lists were found whole; schemas 1-6 had no index of a
-    folder's entries in cookie order."""
+    folder's entries in cookie order; schemas 1-8 had no prefix index."""
     m = mount_factory()
     pages = varied_pages(bf16_pages, 3, salt=55)
     write_session(tmp_path / "s", pages)
@@ -238,7 +240,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     assert m.stop() == 0
     conn = sqlite3.connect(m.store / "namespace.db")
     for stmt in ["CREATE INDEX dentries_name ON dentries(name)", *SCHEMA_2_MANIFESTS, *SCHEMA_3_BLOCKS,
-                 *SCHEMA_4_FOLDS, *SCHEMA_5_WHOLE_LISTS, *SCHEMA_6_READDIR]:
+                 *SCHEMA_4_FOLDS, *SCHEMA_5_WHOLE_LISTS, *SCHEMA_6_READDIR, *SCHEMA_8_PREFIX]:
         conn.execute(stmt)
     conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     conn.commit()
@@ -266,6 +268,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
     assert schema() == (str(ns.SCHEMA_VERSION), 0, 3, [(i, digest(p)) for i, p in enumerate(pages)])
     c = sqlite3.connect(m.store / "namespace.db")
     assert c.execute("SELECT COUNT(*) FROM sqlite_master WHERE name='dentries_parent_id'").fetchone()[0] == 1
+    assert c.execute("SELECT value FROM meta WHERE key='prefix_index'").fetchone() == ("1",)  # (built at mount)
     # f's pages (forked under schema 3) stay indexed by blob; g's were forked since.
     assert c.execute("SELECT COUNT(*), COUNT(via) FROM blocks").fetchone() == (3 + 3 + 3 + 3, 3)
     c.close()

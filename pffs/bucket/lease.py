@@ -217,7 +217,8 @@ def _referenced(conn: sqlite3.Connection, digests) -> set[str]:
         marks = ",".join("?" * len(chunk))
         out.update(d for (d,) in conn.execute(
             f"SELECT blob FROM blocks WHERE blob IN ({marks}) AND via IS NULL"
-            f" UNION SELECT digest FROM manifest_pages WHERE digest IN ({marks})", chunk + chunk))
+            f" UNION SELECT digest FROM manifest_pages WHERE digest IN ({marks})"
+            f" UNION SELECT digest FROM cached_keys WHERE digest IN ({marks})", chunk * 3))
     return out
 
 
@@ -228,7 +229,8 @@ def _update_blob_rows(conn: sqlite3.Connection, new: list[ns.BlobRow], gone: lis
         # then its own put or lookup found it stored).
         conn.execute("DELETE FROM blobs WHERE digest=?"
                      " AND NOT EXISTS (SELECT 1 FROM blocks WHERE blob=? AND via IS NULL)"
-                     " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)", (d, d, d))
+                     " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)"
+                     " AND NOT EXISTS (SELECT 1 FROM cached_keys WHERE digest=?)", (d, d, d, d))
 
 
 def attach(st: StoreDir, db: Database, *, cache_size: int, lease: str | None) -> RemoteMount:

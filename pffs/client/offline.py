@@ -130,7 +130,7 @@ class StoreSessionSink:
                            rows if ix == 0 else [], None)
         m = ns.make_inode(conn, sdir, mf.MANIFEST_NAME.encode(), stat.S_IFREG | 0o644, self.uid, self.gid)
         ns.set_content(conn, m.id, man_row.raw_size, man_row.digest, [man_row.digest], rows, None)
-        ns.record_manifest(conn, m.id, manifest.pages, man_row.digest)
+        ns.record_manifest(conn, m.id, manifest.pages, man_row.digest, ns.manifest_keys(manifest))
 
     def abort(self) -> None:
         # Blobs already written stay as garbage for gc; nothing names them.

@@ -31,7 +31,9 @@ from pffs import namespace
 from pffs.daemon import heap
 from pffs.errors import PffsError
 from pffs.fs.write_stage import journal_inode
+from pffs.manifest import MAX_MANIFEST_BYTES
 from pffs.names import FS_SUBTYPE
+from pffs.namespace import prefix_index
 from pffs.store.local import PutBatch
 from pffs.store.storedir import StoreDir
 
@@ -58,6 +60,7 @@ class MountOptions:
     allow_other: bool = False
     cache_size: int = 128 << 20
     max_size: int | None = None
+    prefix_cache_size: int = 4 << 30  # bytes of pages the key-only prefix cache keeps (SPEC §7)
     codec: str | None = None
     staging_memory: int = 128 << 20
     snapshot_interval: float = 300.0
@@ -113,6 +116,8 @@ def parse_options(opts: list[str]) -> MountOptions:
                 o.cache_size = parse_size(val)
             elif key == "max_size":
                 o.max_size = parse_size(val)
+            elif key == "prefix_cache_size":
+                o.prefix_cache_size = parse_size(val)
             elif key == "codec":
                 from pffs.codec import parse_codec
                 try:
@@ -297,6 +302,12 @@ class Daemon:
                 n = namespace.cleanup_orphans(conn)
             if n:
                 log.info("removed %d unlinked inodes left open by the previous run", n)
+            if not prefix_index.is_built(conn):
+                # (after a migration from schema 8: the keys need the manifests' bytes)
+                with namespace.transaction(conn):
+                    lists, keys = prefix_index.rebuild(conn, functools.partial(
+                        namespace.read_file, conn, st.blobs, max_size=MAX_MANIFEST_BYTES))
+                log.info("built the prefix index: %d keys of %d manifests", keys, lists)
             stored = namespace.stored_bytes(conn)
         finally:
             conn.close()
@@ -349,7 +360,7 @@ class Daemon:
                          live_mount=str(mountpoint), socket_path=str(st.socket_path),
                          store_root=str(st.root),
                          store_json=direct.store_json(direct.store_info(st, opts.max_size, read_only=ro)),
-                         read_only=ro)
+                         read_only=ro, prefix_cache_size=opts.prefix_cache_size)
         assert handlers.engines is not None     # (live_mount given)
         live = LiveEngines.listen(st.socket_path, handlers.engines.registry)
         fuse_opts = set(pyfuse3.default_options)

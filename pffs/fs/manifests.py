@@ -72,12 +72,13 @@ class Manifests:
         try:
             data = b"".join([await self.reader.blob(d, ino) for d in blocks])
             m = await trio.to_thread.run_sync(mf.parse, data, limiter=self.content.limiter)
+            keys = await trio.to_thread.run_sync(ns.manifest_keys, m, limiter=self.content.limiter)
             if self.content.adopt is not None:
                 await trio.to_thread.run_sync(self.content.adopt, m.pages, limiter=self.content.limiter)
         except mf.ManifestError as e:
             log.warning("%s %s: refused manifest: %s", op, where, e)
             raise FUSEError(errno.EINVAL) from None
-        return (node.digest, m.pages)
+        return (node.digest, m.pages, keys)
 
     def resolve_readable(self, path: bytes, ctx, folder: bool = False) -> int:
         """The inode at *path* (from the mount's root) that the caller may read:

@@ -39,6 +39,7 @@ from pyfuse3 import (
 )
 
 from pffs import namespace as ns
+from pffs.client.chainkeys import parse_keys_value
 from pffs.fs.blobcache import BlobReader
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
@@ -51,7 +52,10 @@ from pffs.names import DIGEST_XATTR_B as DIGEST_XATTR
 from pffs.names import ENTRIES_XATTR_B as ENTRIES_XATTR
 from pffs.names import FORK_XATTR_B as FORK_XATTR
 from pffs.names import PAGES_XATTR_B as PAGES_XATTR
+from pffs.names import PREFIX_TOUCH_XATTR_B as PREFIX_TOUCH_XATTR
+from pffs.names import PREFIX_XATTR_B as PREFIX_XATTR
 from pffs.names import STORE_XATTR_B as STORE_XATTR
+from pffs.namespace import prefix_index
 
 log = logging.getLogger("pffs.fs")
 
@@ -87,6 +91,8 @@ class NamespaceTree(Tree):
     invalidate: Invalidator
     #: .pffs/store.json's bytes, also the root's STORE_XATTR (pffs.fs.adoption)
     store_json: bytes = b"{}\n"
+    #: bytes the key-only prefix cache may hold (-o prefix_cache_size=)
+    prefix_cache_size: int = 4 << 30
 
     @property
     def reader(self) -> BlobReader:
@@ -371,6 +377,8 @@ class NamespaceTree(Tree):
             raise FUSEError(errno.EPERM)
         if name == FORK_XATTR:
             return await self.manifests.fork_into(inode, value, ctx)
+        if name in (PREFIX_XATTR, PREFIX_TOUCH_XATTR):
+            return await self._prefix(inode, name, value)
         xattr_ns_ok(name)
         if len(value) > XATTR_SIZE_MAX:
             raise FUSEError(errno.E2BIG)
@@ -395,6 +403,30 @@ class NamespaceTree(Tree):
         if value is None:
             raise FUSEError(pyfuse3.ENOATTR)
         return value
+
+    async def _prefix(self, inode: int, name: bytes, value: bytes) -> None:
+        """PREFIX_XATTR: the file's blob kept by one token chain key in the key-only prefix
+        cache; PREFIX_TOUCH_XATTR: keys of that cache marked used (SPEC §7)."""
+        where = self.inodes.path_of(inode)
+        try:
+            space, keys = parse_keys_value(value)
+        except ValueError as e:
+            log.warning("setxattr %s %s: refused: %s", where, name.decode(), e)
+            raise FUSEError(errno.EINVAL) from None
+        if name == PREFIX_TOUCH_XATTR:
+            await self.db.write(prefix_index.touch, space, keys, ns.now_ns())
+            return
+        node = ns.get_inode(self.db.ro, inode)
+        if node.is_reg and await self.files.commit_staged(inode):
+            node = ns.get_inode(self.db.ro, inode)
+        if len(keys) != 1 or not node.is_reg or node.digest is None or not node.size:
+            log.warning("setxattr %s %s: refused: one key for a file of one page", where, name.decode())
+            raise FUSEError(errno.EINVAL)
+        gone = await self.db.write(prefix_index.cache_page, space, keys[0], node.digest, node.size,
+                                   ns.now_ns(), self.prefix_cache_size)
+        if gone:
+            log.info("prefix cache: %d least recently used key-only pages evicted past %d bytes",
+                     gone, self.prefix_cache_size)
 
     async def _digest(self, inode: int) -> bytes:
         """DIGEST_XATTR: the sha256 of a file's bytes, its staged ones committed first."""

@@ -417,13 +417,14 @@ class Handlers:
 def build(db: Database, content: ContentStore, *, nursery: trio.Nursery | None, cache_size: int = 128 << 20,
           staging_memory: int = 128 << 20, journal_fsync: bool = True, live_mount: str | None = None,
           socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n",
-          read_only: bool = False) -> Handlers:
+          read_only: bool = False, prefix_cache_size: int = 4 << 30) -> Handlers:
     """The handlers of a mount of *db* and *content*, their work in the
     background going to *nursery* (the daemon's, opened before anything is
     built; None: none runs, as in handler tests without a daemon); with
     *live_mount* (where the mount is, for engines told of paths in it) they
     serve ``engines/`` too, which needs the nursery.  *read_only*: every
-    change refused with EROFS."""
+    change refused with EROFS.  *prefix_cache_size*: bytes the key-only prefix
+    cache keeps (SPEC §7)."""
     if not (COPY_RANGE and NOFLUSH):
         log.info("pyfuse3 %s without third_party/pyfuse3's patch: copies within the mount move "
                  "their bytes (no copy_file_range), and a reader's close costs a FLUSH request",
@@ -448,7 +449,7 @@ def build(db: Database, content: ContentStore, *, nursery: trio.Nursery | None, 
                     registry.counts if registry is not None else None, content.named)
     trees: dict[str, Tree] = {
         NAMESPACE: NamespaceTree(db, content, inodes, files, manifests, prefetch, invalidate,
-                                 store_json),
+                                 store_json, prefix_cache_size),
         PFFS: pffs,
     }
     engines = None

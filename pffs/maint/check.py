@@ -29,6 +29,7 @@ from pffs.namespace import (
     ROOT_INODE,
     files_holding,
     path_of,
+    prefix_index,
     read_file,
     transaction,
     unfold,
@@ -56,6 +57,7 @@ class Report:
     blobs: BlobStatus = field(default_factory=BlobStatus)
     bad_files: dict[int, str] = field(default_factory=dict)   # inode -> why its content is damaged
     db_errors: list[str] = field(default_factory=list)
+    index_wrong: bool = False       # the prefix index disagrees with the manifests (repair rebuilds it)
 
     @property
     def clean(self) -> bool:
@@ -93,7 +95,8 @@ def blob_status(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: b
     s.indexed = {d: (raw, stored) for d, raw, stored in
                  conn.execute("SELECT digest, raw_size, stored_size FROM blobs")}
     s.held = {d for (d,) in conn.execute("SELECT DISTINCT blob FROM blocks")}
-    s.listed = {d for (d,) in conn.execute("SELECT DISTINCT digest FROM manifest_pages")}
+    s.listed = {d for (d,) in conn.execute("SELECT digest FROM manifest_pages UNION SELECT digest"
+                                           " FROM cached_keys")}
     for d in s.held - s.on_disk:
         s.bad[d] = "is missing"
     todo = sorted(s.on_disk)
@@ -165,7 +168,23 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
             continue
         r.notes.extend(check_session(conn, dir_ino, ino, blobs))
     r.counts["sessions"] = n_sessions
+    _check_index(conn, blobs, r)
     return r
+
+
+def _check_index(conn: sqlite3.Connection, blobs: LocalBlobStore, r: Report) -> None:
+    """The prefix index against the manifests (SPEC §7): each recorded manifest's keys."""
+    if not prefix_index.is_built(conn):
+        r.notes.append("the prefix index is not built yet (the next mount or pffs check --repair"
+                       " builds it from the manifests)")
+        return
+    wrong = prefix_index.disagreements(
+        conn, lambda ino: read_file(conn, blobs, ino, mf.MAX_MANIFEST_BYTES))
+    for ino, why in wrong:
+        r.damage.append(f"{path_of(conn, ino)}: {why}" if ino else why)
+    r.index_wrong = bool(wrong)
+    r.counts["prefix_keys"] = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE key IS NOT NULL"
+                                           ).fetchone()[0]
 
 
 # A fork's blocks row (via set) whose pageset does not list its blob: gc

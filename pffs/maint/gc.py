@@ -1,7 +1,8 @@
 """``pffs gc``: remove blobs that no file holds and no manifest lists (contract §4 gc roots).
 
 Mark: every blob named by a ``blocks`` row (held by a file, open or not) or
-by a ``manifest_pages`` row (listed by a manifest.json) is live.  Sweep: the
+by a ``manifest_pages`` row (listed by a manifest.json) or a ``cached_keys``
+row (a page the prefix cache keeps by key) is live.  Sweep: the
 other blob files, their ``blobs`` rows, rows whose blob file is gone, and
 temp files of interrupted puts.  Nothing younger than the grace period is
 swept (a dedup hit refreshes a blob's mtime), which covers writers that do not
@@ -98,6 +99,8 @@ def _named(conn: sqlite3.Connection, digest: str) -> bool:
     return (conn.execute("SELECT 1 FROM blocks WHERE blob=? AND via IS NULL LIMIT 1",
                          (digest,)).fetchone() is not None
             or conn.execute("SELECT 1 FROM manifest_pages WHERE digest=? LIMIT 1",
+                            (digest,)).fetchone() is not None
+            or conn.execute("SELECT 1 FROM cached_keys WHERE digest=? LIMIT 1",
                             (digest,)).fetchone() is not None)
 
 

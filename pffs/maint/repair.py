@@ -41,6 +41,7 @@ from pffs.errors import IntegrityError, PffsError
 from pffs.maint import check as fsck
 from pffs.maint.snapshots import list_snapshots
 from pffs.names import LOST_XATTR_B as LOST_XATTR
+from pffs.namespace import prefix_index
 from pffs.store.storedir import StoreDir
 from pffs.types import Digest
 
@@ -222,6 +223,7 @@ def repair(store: StoreDir, *, read_data: bool = False, say: Callable[[str], Non
             _fix(conn, store, report, result, say)
             if snapshot_time is not None:
                 _recover_after(conn, store, snapshot_time, result, say)
+            _reindex(conn, store, report, result, say)
         result.report = fsck.check(conn, store.blobs, read_data=False)
     finally:
         conn.close()
@@ -259,7 +261,8 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
     for digest, ino, _want, _have in fsck.short_page_lists(conn):
         where = ns.path_of(conn, ino)
         try:
-            pages = mf.parse(ns.read_file(conn, store.blobs, ino, mf.MAX_MANIFEST_BYTES)).pages
+            parsed = mf.parse(ns.read_file(conn, store.blobs, ino, mf.MAX_MANIFEST_BYTES))
+            pages = parsed.pages
         except (IntegrityError, ValueError):
             continue    # its blob is damaged: the file goes to lost+found below
         except mf.ManifestError as e:
@@ -267,7 +270,7 @@ def _fix(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result:
                 ns.forget_manifest(conn, holder)
             _say(result, say, f"{where}: no longer recorded as a manifest ({e})")
             continue
-        ns.record_manifest(conn, ino, pages, digest)
+        ns.record_manifest(conn, ino, pages, digest, ns.manifest_keys(parsed))
         conn.execute("UPDATE manifests SET n_pages=? WHERE digest=?", (len(pages), digest))
         _say(result, say, f"{where}: recorded the page list of its bytes again ({len(pages)} pages)")
     for folder, (files, _gives) in sorted(fsck.folds_short(conn).items()):
@@ -446,7 +449,7 @@ def _recover_after(conn: sqlite3.Connection, store: StoreDir, since: float, resu
             found[d] = row.raw_size
     if not found:
         return
-    manifests: dict[str, list[Digest]] = {}
+    manifests: dict[str, mf.Manifest] = {}
     for d, raw in sorted(found.items()):
         if raw > mf.MAX_MANIFEST_BYTES:
             continue
@@ -457,10 +460,10 @@ def _recover_after(conn: sqlite3.Connection, store: StoreDir, since: float, resu
         if data[:1] != b"{":
             continue
         try:
-            manifests[d] = mf.parse(data).pages
+            manifests[d] = mf.parse(data)
         except mf.ManifestError:
             pass
-    listed = {p for pages in manifests.values() for p in pages}
+    listed = {p for m in manifests.values() for p in m.pages}
     lf = _lost_found(conn)
     dest = _subdir(conn, lf, AFTER_SNAPSHOT)
     n_files = 0
@@ -477,8 +480,21 @@ def _recover_after(conn: sqlite3.Connection, store: StoreDir, since: float, resu
         f = ns.make_inode(conn, dest, name, stat.S_IFREG | 0o600, 0, 0)
         ns.set_content(conn, f.id, raw, d, [d] if raw else [], [], None)
         if d in manifests:
-            ns.record_manifest(conn, f.id, manifests[d], d)
+            ns.record_manifest(conn, f.id, manifests[d].pages, d, ns.manifest_keys(manifests[d]))
         n_files += 1
     _say(result, say, f"{len(found)} blobs written after the snapshot were recovered:"
                       f" {len(manifests)} manifests and {n_files - len(manifests)} other files in"
                       f" /lost+found/after-snapshot/, {len(found) - n_files} pages listed by those manifests")
+
+
+def _reindex(conn: sqlite3.Connection, store: StoreDir, report: fsck.Report, result: RepairResult,
+             say) -> None:
+    """The prefix index: key-only rows whose blob went are dropped; the keys of every
+    recorded manifest are computed again where the check found them wrong or unbuilt."""
+    n = conn.execute("DELETE FROM cached_keys WHERE digest NOT IN (SELECT digest FROM blobs)").rowcount
+    if n:
+        _say(result, say, f"dropped {n} key-only prefix cache rows whose blob is gone")
+    if report.index_wrong or not prefix_index.is_built(conn):
+        lists, keys = prefix_index.rebuild(
+            conn, lambda ino: ns.read_file(conn, store.blobs, ino, mf.MAX_MANIFEST_BYTES))
+        _say(result, say, f"rebuilt the prefix index: {keys} keys of {lists} manifests")

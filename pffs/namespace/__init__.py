@@ -24,6 +24,9 @@ The package's modules, each with one reason to change:
   recorded_count, recorded_pages), pagesets, and folded forks (is_folded,
   unfold).  It calls nothing of the tree's; the tree calls it.
 - :mod:`.forks`: metadata-only forks (fork_pages), on top of the two above.
+- :mod:`.prefix_index`: the prefix index (SPEC §7): a page list's token chain
+  keys (manifest_keys, IndexKeys), what a key finds, the key-only cache,
+  rebuilding the index from the manifests.
 - :mod:`.figures`: Stats, stats and iter_referenced_blobs (the gc roots).
 - :mod:`.usage`: what places of the tree share and hold alone (Place,
   PlaceMoved, Usage, usage_of: ``pffs du``), by the gc roots' rules.
@@ -33,7 +36,7 @@ The package's modules, each with one reason to change:
   threads run, each one named function (commit_file, rename_with_manifest,
   fork_manifest, delete_unlinked...).
 
-Imports go one way: schema <- pagelists <- tree <- forks <- changes, and
+Imports go one way: schema <- prefix_index <- pagelists <- tree <- forks <- changes, and
 queries on top of the tree; figures and usage need only the tables.  Every public name is re-exported here (``__all__``), so
 ``from pffs import namespace as ns; ns.X`` and ``from pffs.namespace import X``
 work as they did when this was one module.
@@ -66,6 +69,7 @@ from pffs.namespace.pagelists import (
     recorded_pages,
     unfold,
 )
+from pffs.namespace.prefix_index import IndexKeys, manifest_keys
 from pffs.namespace.queries import (
     VERDICT_MAX,
     KnownBlobs,
@@ -175,6 +179,7 @@ __all__ = [
     "CheckedManifest",
     "DamagedDatabase",
     "FsError",
+    "IndexKeys",
     "Inode",
     "KnownBlobs",
     "LateManifest",
@@ -220,6 +225,7 @@ __all__ = [
     "lookup",
     "lookup_or_folded",
     "make_inode",
+    "manifest_keys",
     "migrate",
     "named_files_content",
     "names_of",

@@ -22,6 +22,7 @@ from typing import Protocol
 from pffs import manifest as mf
 from pffs.namespace.forks import fork_pages
 from pffs.namespace.pagelists import record_known_manifest, record_manifest
+from pffs.namespace.prefix_index import IndexKeys, manifest_keys
 from pffs.namespace.rows import (
     BlobRow,
     FsError,
@@ -39,8 +40,8 @@ from pffs.namespace.rows import (
 
 MANIFEST = mf.MANIFEST_NAME.encode()
 #: Where a file takes the name manifest.json: the digest of its bytes as
-#: checked, and the pages they list.
-CheckedManifest = tuple[str | None, Sequence[str]]
+#: checked, the pages they list and their token chain keys.
+CheckedManifest = tuple[str | None, Sequence[str], IndexKeys | None]
 Created = list[tuple[int, int]]     # (pages folder, page files a fork made there)
 
 
@@ -113,9 +114,10 @@ def commit_file(conn: sqlite3.Connection, ino: int, staged: StagedBytes, was_emp
             # A fork's manifest: its page list is the accepted one's, unless
             # that went with its last holder since (then it is parsed anew).
             if not record_known_manifest(conn, ino, digest, m.n_pages):
-                record_manifest(conn, ino, mf.parse(staged.read(0, stored.size)).pages, digest)
+                parsed = mf.parse(staged.read(0, stored.size))
+                record_manifest(conn, ino, parsed.pages, digest, manifest_keys(parsed))
         else:
-            record_manifest(conn, ino, m.pages, digest)
+            record_manifest(conn, ino, m.pages, digest, manifest_keys(m))
         for parent, name in names_of(conn, ino):
             if name == MANIFEST:
                 created += fork_pages(conn, parent, digest, uid, gid)
@@ -127,10 +129,10 @@ def take_manifest_name(conn: sqlite3.Connection, ino: int, checked: CheckedManif
     """*ino*, whose bytes were checked as a manifest (*checked*), has just
     taken the name manifest.json in *parent*: its page list recorded, its
     pages forked there.  EAGAIN if its bytes changed since the check."""
-    digest, pages = checked
+    digest, pages, keys = checked
     if digest is None or get_inode(conn, ino).digest != digest:
         raise FsError(errno.EAGAIN, "manifest changed while it was being validated")
-    record_manifest(conn, ino, pages, digest)
+    record_manifest(conn, ino, pages, digest, keys)
     return fork_pages(conn, parent, digest, uid, gid)
 
 

@@ -53,6 +53,8 @@ def stats(conn: sqlite3.Connection) -> Stats:
 
 
 def iter_referenced_blobs(conn: sqlite3.Connection) -> Iterable[Digest]:
-    """gc roots: every blob a file holds and every digest a manifest lists."""
-    for (d,) in conn.execute("SELECT blob FROM blocks UNION SELECT digest FROM manifest_pages"):
+    """gc roots: every blob a file holds, every digest a manifest lists and every page the
+    prefix cache keeps by key."""
+    for (d,) in conn.execute("SELECT blob FROM blocks UNION SELECT digest FROM manifest_pages"
+                             " UNION SELECT digest FROM cached_keys"):
         yield Digest(d)

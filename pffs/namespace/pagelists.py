@@ -12,23 +12,28 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 
+from pffs.namespace.prefix_index import IndexKeys, ensure_keys, page_rows
 from pffs.namespace.schema import BLOCK_SIZE
 
 
-def record_manifest(conn: sqlite3.Connection, ino: int, pages: Sequence[str], digest: str) -> None:
-    """Remember that *ino*, whose bytes have *digest*, holds a valid manifest listing *pages*.
+def record_manifest(conn: sqlite3.Connection, ino: int, pages: Sequence[str], digest: str,
+                    keys: IndexKeys | None = None) -> None:
+    """Remember that *ino*, whose bytes have *digest*, holds a valid manifest listing *pages*
+    (whose token chain keys are *keys*, prefix_index.manifest_keys).
 
-    The pages (gc roots) are rows of the manifest's bytes: a fork's manifest,
-    byte for byte its source's, adds one ``manifests`` row and no page rows.
+    The pages (gc roots) and their keys (the prefix index) are rows of the
+    manifest's bytes: a fork's manifest, byte for byte its source's, adds
+    one ``manifests`` row and no page rows.
     """
     _record(conn, ino, len(pages), digest)
     have = conn.execute("SELECT COUNT(*) FROM manifest_pages WHERE manifest=?", (digest,)).fetchone()[0]
     if have == len(pages):
+        ensure_keys(conn, digest, keys)
         return
     conn.execute("DELETE FROM manifest_pages WHERE manifest=?", (digest,))
     conn.execute("DELETE FROM whole_lists WHERE manifest=?", (digest,))
-    conn.executemany("INSERT INTO manifest_pages (manifest, page_ix, digest) VALUES (?,?,?)",
-                     [(digest, i, d) for i, d in enumerate(pages)])
+    conn.executemany("INSERT INTO manifest_pages (manifest, page_ix, digest, space, key) VALUES (?,?,?,?,?)",
+                     page_rows(conn, digest, pages, keys))
 
 
 def record_known_manifest(conn: sqlite3.Connection, ino: int, digest: str, n_pages: int) -> bool:

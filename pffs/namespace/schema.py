@@ -17,7 +17,7 @@ from pathlib import Path
 from pffs.errors import PffsError
 from pffs.types import Digest, InodeNo
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 DB_NAME = "namespace.db"
 ROOT_INODE = InodeNo(1)
 # Files up to this size are one blob named by the file's sha256; larger ones
@@ -31,6 +31,9 @@ SCHEMA = """
 -- Schema version and store-wide settings.
 --   key 'schema_version': integer SCHEMA_VERSION of the tables below.
 --   key 'created_ns': when the store was created.
+--   key 'prefix_index': present (value '1') when every recorded manifest's page
+--     list carries its token chain keys (manifest_pages.space/key); absent after
+--     the migration from schema 8 until the next mount or check --repair keys them.
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -131,13 +134,47 @@ CREATE INDEX manifests_digest ON manifests(digest);
 -- fork can bring back pages that no file holds any more. Rows belong to the
 -- manifest's bytes, not to a file: every recorded manifest with those bytes
 -- (a session and its forks) shares them, and they go with the last of those.
+--
+-- They are also the prefix index (SPEC §7, pffs.namespace.prefix_index): a
+-- full page of a logical sequence with token_ids carries its token chain key
+-- (pffs.client.chainkeys), so a fork adds no key and the keys go with the
+-- list.  A key finds its page while a manifests row holds the list and the
+-- page's blob has a blobs row.
 CREATE TABLE manifest_pages (
     manifest TEXT NOT NULL,     -- manifests.digest
     page_ix  INTEGER NOT NULL,
     digest   TEXT NOT NULL,
+    space    INTEGER,           -- key_spaces.id of the manifest's key namespace; NULL when key is
+    key      TEXT,              -- the page's token chain key (64 hex); NULL: not keyed (no
+                                -- token_ids, a short last page, a manifest with 'inputs')
     PRIMARY KEY (manifest, page_ix)
 ) WITHOUT ROWID;
 CREATE INDEX manifest_pages_digest ON manifest_pages(digest);
+CREATE INDEX manifest_pages_key ON manifest_pages(space, key) WHERE key IS NOT NULL;
+
+-- Key namespaces (pffs.client.chainkeys.key_namespace: model identity, dtype,
+-- geometry, layout, kv conventions).  A key never matches across them.  Rows
+-- that nothing names are dropped when the index is rebuilt.
+CREATE TABLE key_spaces (
+    id   INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE   -- the namespace: 64 hex digits
+);
+
+-- Pages stored by key alone (an engine's cache, not a session): the
+-- user.pffs.prefix xattr names a file's blob under a key.  Each row is a gc
+-- root.  Past the mount's prefix_cache_size (bytes of these rows' sizes) the
+-- least recently used rows go; pages sessions hold are not rows here, and
+-- are never evicted.
+CREATE TABLE cached_keys (
+    space   INTEGER NOT NULL,   -- key_spaces.id
+    key     TEXT NOT NULL,      -- token chain key (64 hex)
+    digest  TEXT NOT NULL,      -- blobs.digest of the page
+    size    INTEGER NOT NULL,   -- the blob's raw_size: what the row counts against the limit
+    used_ns INTEGER NOT NULL,   -- when it was stored or last found (LRU order)
+    PRIMARY KEY (space, key)
+) WITHOUT ROWID;
+CREATE INDEX cached_keys_used ON cached_keys(used_ns);
+CREATE INDEX cached_keys_digest ON cached_keys(digest);
 
 -- Folded forks: a pages/ folder that a metadata-only fork filled with every
 -- page of a manifest whose pages were all stored, recorded as this one row.
@@ -239,6 +276,7 @@ def create(conn: sqlite3.Connection, uid: int | None = None, gid: int | None = N
             conn.execute(statement)
         conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         conn.execute("INSERT INTO meta VALUES ('created_ns', ?)", (str(t),))
+        conn.execute("INSERT INTO meta VALUES ('prefix_index', '1')")   # (no manifest to key yet)
         conn.execute(
             "INSERT INTO inodes (id, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink)"
             " VALUES (?, ?, ?, ?, 0, ?, ?, ?, 2)",
@@ -400,6 +438,17 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE dentries_8 RENAME TO dentries",
         "CREATE INDEX dentries_inode ON dentries(inode)",
         "CREATE INDEX dentries_parent_id ON dentries(parent, id)"],
+    # 8 -> 9: the prefix index (SPEC §7).  The keys need the manifests' bytes,
+    # which SQL cannot read: meta's 'prefix_index' stays absent until the next
+    # mount (or check --repair) computes them (pffs.namespace.prefix_index.rebuild).
+    8: ["ALTER TABLE manifest_pages ADD COLUMN space INTEGER",
+        "ALTER TABLE manifest_pages ADD COLUMN key TEXT",
+        "CREATE INDEX manifest_pages_key ON manifest_pages(space, key) WHERE key IS NOT NULL",
+        "CREATE TABLE key_spaces (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)",
+        "CREATE TABLE cached_keys (space INTEGER NOT NULL, key TEXT NOT NULL, digest TEXT NOT NULL,"
+        " size INTEGER NOT NULL, used_ns INTEGER NOT NULL, PRIMARY KEY (space, key)) WITHOUT ROWID",
+        "CREATE INDEX cached_keys_used ON cached_keys(used_ns)",
+        "CREATE INDEX cached_keys_digest ON cached_keys(digest)"],
 }
 
 

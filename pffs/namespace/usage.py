@@ -115,8 +115,8 @@ _FILL = (
     " ON p.manifest = l.manifest",
 )
 
-# A held blob stays if a file that stays holds it (by the by-blob index) or a
-# page list that stays lists it.  A fork's page file (a blocks row with via
+# A held blob stays if a file that stays holds it (by the by-blob index), a
+# page list that stays lists it, or the prefix cache keeps it by key.  A fork's page file (a blocks row with via
 # set) holds the blob its pageset's list names for that page, so the second
 # test covers it: that list stays as long as the file does.
 _EXCLUSIVE = (
@@ -124,6 +124,7 @@ _EXCLUSIVE = (
     "                   AND x.inode NOT IN (SELECT ino FROM du_gone))"
     " AND NOT EXISTS (SELECT 1 FROM manifest_pages p WHERE p.digest = h.digest"
     "                 AND p.manifest NOT IN (SELECT manifest FROM du_dead))"
+    " AND NOT EXISTS (SELECT 1 FROM cached_keys c WHERE c.digest = h.digest)"
 )
 _SUMS = ("SELECT COUNT(*), COALESCE(SUM(b.raw_size), 0), COALESCE(SUM(b.stored_size), 0)"
          " FROM du_held h JOIN blobs b ON b.digest = h.digest")

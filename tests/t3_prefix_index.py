@@ -1,0 +1,130 @@
+"""Level t3, mounts: a real FUSE mount (the daemon in a subprocess).
+Sessions as a prefix cache (SPEC §7): a session's full pages are found by
+their token chain keys (pffs.client.prefix_lookup) as soon as its
+manifest.json is closed, through cp -r and pffs fork forks (which add no
+index row), across a remount, and not after rm -r and gc; pffs check finds
+an index that disagrees with the manifests and --repair rebuilds it; pages
+kept by key alone (user.pffs.prefix) go least recently used first past
+-o prefix_cache_size=, while sessions' pages stay found (docs/prefix-index.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+
+from lifecycle_helpers import count, gc, rm_r, run
+from mountutil import pffs
+from sessions import GEOMETRY, digest, varied_pages
+
+from pffs import manifest as mf
+from pffs.client import chainkeys as ck
+from pffs.client.prefix_lookup import PrefixIndex, cache_page, longest_prefix
+from pffs.store.storedir import StoreDir
+
+T = GEOMETRY["page_size_tokens"]
+
+
+def write_session(path, pages: list[bytes], tokens: list[int]) -> tuple[mf.Manifest, str, list[str]]:
+    """A session whose one sequence holds *tokens*, pages first, manifest last: (its manifest,
+    its key namespace, its pages' keys)."""
+    os.makedirs(path / "pages")
+    for i, p in enumerate(pages):
+        (path / "pages" / mf.page_name(i)).write_bytes(p)
+    fill = len(tokens) % T
+    m = mf.Manifest(pages=[digest(p) for p in pages], model={"name": "all-MiniLM-L6-v2", "revision": "test"},
+                    kv={"k_has_rope": False, "scales": None},
+                    logical_seqs=[mf.LogicalSeq("req-1", list(range(len(pages))), fill, tokens)], **GEOMETRY)
+    (path / "manifest.json").write_bytes(m.to_json())
+    return m, ck.manifest_namespace(json.loads(m.to_json())), ck.chain_keys(tokens, T)
+
+
+KEYED = "SELECT COUNT(*) FROM manifest_pages WHERE key IS NOT NULL"
+
+
+def test_a_sessions_pages_are_found_by_tokens_through_forks_and_remounts_until_removed(
+        mount_factory, bf16_pages):
+    m = mount_factory()
+    pages = varied_pages(bf16_pages, 6, salt=71)
+    tokens = list(range(70_000, 70_000 + 6 * T - 3))         # the last page is short
+    man, space, keys = write_session(m.path / "a", pages, tokens)
+    assert len(keys) == 5
+    assert longest_prefix(m.path, space, keys) == man.pages[:5]     # at once: the close recorded it
+    assert count(m, KEYED) == 5
+    run("cp", "-r", m.path / "a", m.path / "b")
+    pffs("fork", m.path / "a", m.path / "c")
+    assert count(m, "SELECT COUNT(*) FROM manifests") == 3
+    assert count(m, KEYED) == 5                               # the forks added no row
+    longer = ck.chain_keys(tokens[:4 * T] + [1, 2, 3], T) + ["f" * 64]
+    assert longest_prefix(m.path, space, longer) == man.pages[:4]
+    assert longest_prefix(m.path, "0" * 64, keys) == []         # another namespace
+    report = json.loads(pffs("prefix", "--json", m.path / "a").stdout)
+    assert report["found"] == 5 and [p["key"] for p in report["pages"]] == keys
+    assert report["pages"][0]["holders"] == ["/a", "/b", "/c"]
+    text = pffs("prefix", m.path / "b").stdout
+    assert "5 full pages of 16 tokens keyed, the store holds the first 5" in text
+    assert f"     4  {keys[4][:16]}  /a, /b, /c" in text
+    (m.path / "tokens.json").write_text(json.dumps(tokens[:2 * T] + [5] * T))
+    asked = json.loads(pffs("prefix", "--json", "--tokens", m.path / "tokens.json", m.path / "c").stdout)
+    assert asked["found"] == 2 and len(asked["pages"]) == 3 and asked["pages"][2]["holders"] == []
+    assert m.stop() == 0
+    m.start()
+    assert longest_prefix(m.path, space, keys) == man.pages[:5]
+    rm_r(m, m.path / "a", m.path / "b")
+    assert longest_prefix(m.path, space, keys) == man.pages[:5]     # c holds them still
+    rm_r(m, m.path / "c")
+    assert longest_prefix(m.path, space, keys) == [] and count(m, KEYED) == 0
+    gc(m.store)
+    assert not StoreDir(m.store).blobs.path(man.pages[0]).exists()
+
+
+def test_check_finds_an_index_that_lost_rows_and_repair_rebuilds_it(mount_factory, bf16_pages):
+    m = mount_factory()
+    man, space, keys = write_session(m.path / "s", varied_pages(bf16_pages, 4, salt=72),
+                                     list(range(80_000, 80_000 + 4 * T)))
+    assert m.stop() == 0
+    c = sqlite3.connect(m.store / "namespace.db")
+    c.execute("UPDATE manifest_pages SET space = NULL, key = NULL")
+    c.commit()
+    c.close()
+    r = pffs("check", "--store", m.store, check=False)
+    assert r.returncode == 1 and "DAMAGE: /s/manifest.json: the prefix index holds 0 keys" in r.stdout
+    r = pffs("check", "--store", m.store, "--repair")
+    assert "rebuilt the prefix index: 4 keys of 1 manifests" in r.stdout
+    m.start()
+    assert longest_prefix(m.path, space, keys) == man.pages
+
+
+def test_key_only_pages_go_least_recently_used_first_and_session_pages_stay(mount_factory, bf16_pages):
+    size = len(bf16_pages[0])
+    m = mount_factory(opts=[f"prefix_cache_size={3 * size}"])
+    man, space, skeys = write_session(m.path / "s", varied_pages(bf16_pages, 2, salt=73),
+                                      list(range(90_000, 90_000 + 2 * T)))
+    cache = m.path / "cache"
+    cache.mkdir()
+    loose = varied_pages(bf16_pages, 5, salt=74)
+    keys = [f"{i + 1:064x}" for i in range(5)]
+    index = PrefixIndex(m.path)
+    try:
+        for i in range(3):
+            (cache / f"p{i}").write_bytes(loose[i])
+            cache_page(cache / f"p{i}", space, keys[i])
+        rm_r(m, cache / "p0", cache / "p1", cache / "p2")
+        gc(m.store)                                              # the cache's rows hold their blobs
+        assert [index.longest_prefix(space, [k]) for k in keys[:3]] == [[digest(p)] for p in loose[:3]]
+        index.longest_prefix(space, [keys[0]])                   # used: now the newest
+        for i in (3, 4):
+            (cache / f"p{i}").write_bytes(loose[i])
+            cache_page(cache / f"p{i}", space, keys[i])
+        rm_r(m, cache / "p3", cache / "p4")
+        # Three pages fit: keys[1] and keys[2] were the least recently used.
+        found = {k: index.longest_prefix(space, [k], touch=False) for k in keys}
+        assert found == {keys[0]: [digest(loose[0])], keys[1]: [], keys[2]: [],
+                         keys[3]: [digest(loose[3])], keys[4]: [digest(loose[4])]}
+        assert index.longest_prefix(space, skeys) == man.pages     # never evicted
+    finally:
+        index.close()
+    gc(m.store)
+    blobs = StoreDir(m.store).blobs
+    assert [blobs.path(digest(p)).exists() for p in loose] == [True, False, False, True, True]
