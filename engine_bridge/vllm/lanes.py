@@ -131,7 +131,10 @@ class HeadSlicePool(KVPool):
         self.inner, self.n_heads, self.first = inner, n_heads, first
 
     def gather(self, index, out: torch.Tensor) -> None:
-        raise NotImplementedError("a rank's pool is saved through join_slices")
+        # A whole-head page is not this rank's to give: join_slices makes it
+        # from every rank's heads (what a save does).
+        raise TypeError(f"this rank holds heads {self.first}..{self.first + self.inner.n_heads - 1} "
+                        f"of {self.n_heads}: a whole page is joined from every rank (join_slices)")
 
     def scatter(self, index, src: torch.Tensor) -> None:
         d = self.head_dim * self.itemsize
