@@ -60,7 +60,7 @@ from engine_bridge.vllm.plans import (
     plan_load,
     session_path,
 )
-from pffs.names import SAVE_FAILED_SUFFIX
+from pffs.client.wait import failure_record
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -263,7 +263,7 @@ class PffsConnector(KVConnectorBase_V1):
                 raise FileExistsError(f"a session named {name!r} exists")
             if not path.parent.is_dir():
                 raise FileNotFoundError(f"no folder {str(path.parent)!r} to save it in")
-            stale = path.with_name(path.name + SAVE_FAILED_SUFFIX)
+            stale = failure_record(path)
             if os.path.lexists(stale):
                 os.unlink(stale)    # (an earlier save's failure: this one's outcome is to come)
         except (OSError, ValueError) as e:
@@ -365,8 +365,8 @@ class PffsConnector(KVConnectorBase_V1):
     @staticmethod
     def _record_failure(path: Path, line: str) -> None:
         """``NAME.save-failed`` beside where the session was to be: *line*."""
-        record = path.with_name(path.name + SAVE_FAILED_SUFFIX)
-        tmp = path.with_name(f".{path.name}{SAVE_FAILED_SUFFIX}.{os.getpid()}")
+        record = failure_record(path)
+        tmp = record.with_name(f".{record.name}.{os.getpid()}")
         try:
             tmp.write_text(line + "\n")
             os.replace(tmp, record)
