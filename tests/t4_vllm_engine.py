@@ -98,19 +98,24 @@ def test_a_preempted_loading_request_loads_again(tmp_path, mount_factory):
         other = OTHER[:100]
         ref_q = e.one(q, max_tokens=200)["tokens"]
         ref_other = e.one(other, max_tokens=240)["tokens"]
-        e.reset()
-        before = len(re.findall(r"loaded \d+ pages .* of 'p'", e.log_text()))
         # Both are admitted at once (4 blocks each); growing, they need more
         # than the 11 usable blocks: q, the later to run (it waited for its
         # load), is preempted; other then takes every block, q's cached ones
-        # too, and q, resumed once other is done, must load again.
-        out = e.generate([{"prompt": other, "max_tokens": 240},
-                          {"prompt": q, "kv": {"pffs_load": "p"}, "max_tokens": 200}])
-        loads = len(re.findall(r"loaded \d+ pages .* of 'p'", e.log_text())) - before
-        assert loads >= 2, "the resumed request did not load"
-        assert out[0]["tokens"] == ref_other
-        assert out[1]["tokens"] == ref_q
-        assert out[1]["kv"] == {"pffs_loaded": 96}
+        # too, and q, resumed once other is done, must load again.  (A load
+        # that ends only as other ends, on a busy host, preempts nothing:
+        # the pair runs again, up to 4 times, until q was resumed.)
+        for _ in range(4):
+            e.reset()
+            before = len(re.findall(r"loaded \d+ pages .* of 'p'", e.log_text()))
+            out = e.generate([{"prompt": other, "max_tokens": 240},
+                              {"prompt": q, "kv": {"pffs_load": "p"}, "max_tokens": 200}])
+            assert out[0]["tokens"] == ref_other
+            assert out[1]["tokens"] == ref_q
+            assert out[1]["kv"] == {"pffs_loaded": 96}
+            loads = len(re.findall(r"loaded \d+ pages .* of 'p'", e.log_text())) - before
+            if loads >= 2:
+                break
+        assert loads >= 2, "the loading request was never preempted and resumed"
 
         # A full store.
         used = stored(mnt)
