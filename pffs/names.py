@@ -71,6 +71,11 @@ PREFIX_XATTR = "user.pffs.prefix"
 #: Write-only, on any file or folder: ``<namespace> <key> <key>...``, the
 #: key-only prefix cache's rows of those keys marked used now (LRU).
 PREFIX_TOUCH_XATTR = "user.pffs.prefix.touch"
+#: Write-only, on the mount's root: ``<namespace> <key> <sha256> <key> <sha256>...``
+#: (hex), blobs a client put beside the mount (the direct path) kept in the
+#: key-only prefix cache under those keys: one request for a batch of pages
+#: whose bytes never cross FUSE (SPEC §7).
+PREFIX_PUT_XATTR = "user.pffs.prefix.put"
 
 DIGEST_XATTR_B = DIGEST_XATTR.encode()
 ENTRIES_XATTR_B = ENTRIES_XATTR.encode()
@@ -82,6 +87,7 @@ LOAD_XATTR_B = LOAD_XATTR.encode()
 LOST_XATTR_B = LOST_XATTR.encode()
 PREFIX_XATTR_B = PREFIX_XATTR.encode()
 PREFIX_TOUCH_XATTR_B = PREFIX_TOUCH_XATTR.encode()
+PREFIX_PUT_XATTR_B = PREFIX_PUT_XATTR.encode()
 
 # -- the direct data path ------------------------------------------------------
 

@@ -15,7 +15,7 @@ import os
 import sqlite3
 
 from lifecycle_helpers import count, gc, rm_r, run
-from mountutil import pffs
+from mountutil import by_timing, pffs, requests_made
 from sessions import GEOMETRY, digest, varied_pages
 
 from pffs import manifest as mf
@@ -128,3 +128,50 @@ def test_key_only_pages_go_least_recently_used_first_and_session_pages_stay(moun
     gc(m.store)
     blobs = StoreDir(m.store).blobs
     assert [blobs.path(digest(p)).exists() for p in loose] == [True, False, False, True, True]
+
+
+def test_blobs_put_beside_the_mount_are_kept_by_key_in_one_request(mount_factory, bf16_pages):
+    """user.pffs.prefix.put: pages an engine put into the store by the direct path
+    (their bytes never cross FUSE) kept by key in one setxattr; gc keeps them; a batch
+    naming a blob the store lacks records nothing (ENOENT, one log line); a value that
+    is not pairs of hex is refused (EINVAL)."""
+    import errno
+
+    import pytest
+
+    from engine_bridge.transport.mountinfo import store_access
+    from pffs.client.access import gc_lock
+    from pffs.client.prefix_lookup import cache_blobs
+    from pffs.errors import PffsError
+    from pffs.names import PREFIX_PUT_XATTR
+
+    m = mount_factory()
+    m.allow(r"prefix\.put: refused")
+    access = store_access(m.path)
+    assert access is not None
+    pages = varied_pages(bf16_pages, 4, salt=91)
+    ds = [digest(p) for p in pages]
+    keys = ck.chain_keys(list(range(7_000, 7_000 + 4 * T)), T)
+    space = "ab" * 32
+    blobs, gcl = access.blobs(), gc_lock(access.root)
+    pins = gcl.pin()
+    try:
+        pins.add(ds)
+        hold = gcl.hold_shared()
+        for p, d in zip(pages, ds[:3]):
+            blobs.put(p, d)
+        hold.release()
+        made = requests_made(m.path, lambda: cache_blobs(m.path, space, list(zip(keys[:3], ds[:3]))))
+        assert by_timing(made)[0] == {"setxattr": 1}, made
+        # The fourth page was never put: its batch records nothing.
+        with pytest.raises(PffsError, match="No such file"):
+            cache_blobs(m.path, space, [(keys[2], ds[2]), (keys[3], ds[3])])
+    finally:
+        pins.close()
+    gc(m.store)
+    assert longest_prefix(m.path, space, keys) == ds[:3]
+    assert StoreDir(m.store).blobs.get(ds[2]) == pages[2]
+    with pytest.raises(OSError) as e:
+        os.setxattr(m.path, PREFIX_PUT_XATTR, f"{space} {keys[0]}".encode())
+    assert e.value.errno == errno.EINVAL
+    assert len({ln for ln in m.log_text().splitlines() if "prefix.put: refused" in ln}) == 2

@@ -128,6 +128,20 @@ def parse_keys_value(value: bytes) -> tuple[str, list[str]]:
     return words[0], words[1:]
 
 
+def pairs_value(space: str, pairs: Sequence[tuple[str, str]]) -> bytes:
+    """The value of ``user.pffs.prefix.put``: *space*, then each (key, blob sha256 hex)."""
+    return " ".join([space, *(w for pair in pairs for w in pair)]).encode("ascii")
+
+
+def parse_pairs_value(value: bytes) -> tuple[str, list[tuple[str, str]]]:
+    """(namespace, [(key, sha256 hex)]) of a value made by :func:`pairs_value`
+    (ValueError if it is not)."""
+    space, words = parse_keys_value(value)
+    if len(words) % 2:
+        raise ValueError("not pairs of a key and a blob's sha256")
+    return space, list(zip(words[0::2], words[1::2]))
+
+
 def seq_page_keys(page_ixs: Sequence[int], token_ids: Sequence[int], page_size: int,
                   seed: bytes = b"") -> list[tuple[int, str]]:
     """(page index, key) of each full page of one logical sequence."""

@@ -25,15 +25,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pffs import manifest as mf
-from pffs.client.chainkeys import INPUTS_FIELD, chain_keys, key_namespace, keys_value
+from pffs.client.chainkeys import INPUTS_FIELD, chain_keys, key_namespace, keys_value, pairs_value
 from pffs.client.du import open_namespace, target
 from pffs.errors import PffsError
-from pffs.names import PREFIX_TOUCH_XATTR, PREFIX_XATTR
+from pffs.names import PREFIX_PUT_XATTR, PREFIX_TOUCH_XATTR, PREFIX_XATTR
 from pffs.namespace import path_of, prefix_index
 from pffs.types import Digest
 
 #: Keys per touch (an xattr value holds at most 64 KiB).
 TOUCH_BATCH = 900
+#: (key, blob) pairs per ``user.pffs.prefix.put`` (130 bytes each).
+PUT_BATCH = 400
 
 
 class PrefixIndex:
@@ -94,6 +96,19 @@ def cache_page(path: str | os.PathLike, space: str, key: str) -> None:
         os.setxattr(path, PREFIX_XATTR, keys_value(space, [key]))
     except OSError as e:
         raise PffsError(f"{path}: cannot keep it by key: {e.strerror}") from None
+
+
+def cache_blobs(mountpoint: str | os.PathLike, space: str, pairs: Sequence[tuple[str, str]]) -> None:
+    """Keep blobs put into the mount's store beside it (the direct path) in the key-only
+    prefix cache: *pairs* of (key, digest ``sha256:<hex>``), one request a
+    :data:`PUT_BATCH` of them.  The blobs must be pinned (their put's gc lock
+    protocol) until this returns; a blob not in the store fails the batch it is in."""
+    for k in range(0, len(pairs), PUT_BATCH):
+        chunk = [(key, d.removeprefix("sha256:")) for key, d in pairs[k:k + PUT_BATCH]]
+        try:
+            os.setxattr(mountpoint, PREFIX_PUT_XATTR, pairs_value(space, chunk))
+        except OSError as e:
+            raise PffsError(f"{mountpoint}: cannot keep {len(chunk)} pages by key: {e.strerror}") from None
 
 
 # -- pffs prefix ---------------------------------------------------------------------

@@ -39,7 +39,7 @@ from pyfuse3 import (
 )
 
 from pffs import namespace as ns
-from pffs.client.chainkeys import parse_keys_value
+from pffs.client.chainkeys import parse_keys_value, parse_pairs_value
 from pffs.fs.blobcache import BlobReader
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
@@ -52,10 +52,12 @@ from pffs.names import DIGEST_XATTR_B as DIGEST_XATTR
 from pffs.names import ENTRIES_XATTR_B as ENTRIES_XATTR
 from pffs.names import FORK_XATTR_B as FORK_XATTR
 from pffs.names import PAGES_XATTR_B as PAGES_XATTR
+from pffs.names import PREFIX_PUT_XATTR_B as PREFIX_PUT_XATTR
 from pffs.names import PREFIX_TOUCH_XATTR_B as PREFIX_TOUCH_XATTR
 from pffs.names import PREFIX_XATTR_B as PREFIX_XATTR
 from pffs.names import STORE_XATTR_B as STORE_XATTR
 from pffs.namespace import prefix_index
+from pffs.types import Digest
 
 log = logging.getLogger("pffs.fs")
 
@@ -379,6 +381,8 @@ class NamespaceTree(Tree):
             return await self.manifests.fork_into(inode, value, ctx)
         if name in (PREFIX_XATTR, PREFIX_TOUCH_XATTR):
             return await self._prefix(inode, name, value)
+        if name == PREFIX_PUT_XATTR:
+            return await self._prefix_put(inode, value)
         xattr_ns_ok(name)
         if len(value) > XATTR_SIZE_MAX:
             raise FUSEError(errno.E2BIG)
@@ -424,6 +428,35 @@ class NamespaceTree(Tree):
             raise FUSEError(errno.EINVAL)
         gone = await self.db.write(prefix_index.cache_page, space, keys[0], node.digest, node.size,
                                    ns.now_ns(), self.prefix_cache_size)
+        if gone:
+            log.info("prefix cache: %d least recently used key-only pages evicted past %d bytes",
+                     gone, self.prefix_cache_size)
+
+    async def _prefix_put(self, inode: int, value: bytes) -> None:
+        """PREFIX_PUT_XATTR on the root: blobs a client put into the store (the direct path)
+        kept in the key-only prefix cache, each under its key.  Blob files not yet known
+        are adopted as a manifest's are; if any named blob is not in the store, nothing is
+        recorded (ENOENT)."""
+        where = self.inodes.path_of(inode)
+        try:
+            if inode != ROOT:
+                raise ValueError("it is set on the mount's root")
+            space, pairs = parse_pairs_value(value)
+        except ValueError as e:
+            log.warning("setxattr %s %s: refused: %s", where, PREFIX_PUT_XATTR.decode(), e)
+            raise FUSEError(errno.EINVAL) from None
+        digests = [Digest("sha256:" + d) for _, d in pairs]
+        if self.content.adopt is not None:
+            await trio.to_thread.run_sync(self.content.adopt, digests, limiter=self.content.limiter)
+        sizes = ns.known_blobs(self.db.ro, digests)
+        missing = sum(1 for d in set(digests) if d not in sizes)
+        if missing:
+            log.warning("setxattr %s %s: refused: %d of the %d blobs named are not in the store",
+                        where, PREFIX_PUT_XATTR.decode(), missing, len(set(digests)))
+            raise FUSEError(errno.ENOENT)
+        rows = [(k, d, sizes[d]) for (k, _), d in zip(pairs, digests)]
+        gone = await self.db.write(prefix_index.cache_pages, space, rows, ns.now_ns(),
+                                   self.prefix_cache_size)
         if gone:
             log.info("prefix cache: %d least recently used key-only pages evicted past %d bytes",
                      gone, self.prefix_cache_size)

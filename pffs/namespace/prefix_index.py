@@ -135,6 +135,15 @@ def cache_page(conn: sqlite3.Connection, space: str, key: str, digest: str, size
     return evict(conn, limit)
 
 
+def cache_pages(conn: sqlite3.Connection, space: str, rows: Iterable[tuple[str, str, int]],
+                t: int, limit: int) -> int:
+    """:func:`cache_page` of each (key, digest, size) of *rows*, then one eviction."""
+    sid = space_id(conn, space)
+    conn.executemany("INSERT OR REPLACE INTO cached_keys (space, key, digest, size, used_ns)"
+                     " VALUES (?,?,?,?,?)", [(sid, k, d, n, t) for k, d, n in rows])
+    return evict(conn, limit)
+
+
 def evict(conn: sqlite3.Connection, limit: int) -> int:
     """Drop the least recently used key-only rows until they hold at most *limit* bytes."""
     total = conn.execute("SELECT COALESCE(SUM(size), 0) FROM cached_keys").fetchone()[0]
