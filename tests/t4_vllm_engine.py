@@ -46,7 +46,8 @@ def test_save_fork_and_load_in_a_fresh_engine(tmp_path, mount_factory):
     forked with cp -r, it starts a request in a fresh engine whose tokens and
     logprobs are the saving engine's own continuation from its prefix cache;
     the loaded blocks hold the session's pages byte for byte.  A taken name
-    and other cache salts are refused in one line."""
+    and other cache salts are refused in one line.  A request with no name
+    loads the longest prefix of its prompt that the token-chain index holds."""
     mnt = mount_factory()
     with VllmEngine(tmp_path, mnt.path, batched_tokens=64) as a:
         s = a.one(P, {"pffs_save": "agent-a"}, max_tokens=8)
@@ -70,6 +71,13 @@ def test_save_fork_and_load_in_a_fresh_engine(tmp_path, mount_factory):
         assert (got["tokens"], got["logprobs"]) == (ref["tokens"], ref["logprobs"])
         pool = set(b.digests()[0])
         assert set(session_pages(mnt / "agent-b")[:3]) <= pool
+        # No name: the longest prefix of q the index holds (agent-a's and
+        # agent-b's 3 full pages; the salted session is not keyed).
+        b.reset()
+        byp = b.one(q, {"pffs_load_prefix": True}, max_tokens=8)
+        assert byp["kv"] == {"pffs_loaded": 96}, byp
+        assert (byp["tokens"], byp["logprobs"]) == (ref["tokens"], ref["logprobs"])
+        assert b.one([7] + q[1:], {"pffs_load_prefix": True}, max_tokens=2)["kv"] == {"pffs_loaded": 0}
         # Salts: the session's must be the request's (the refused requests
         # come after: vLLM's prefix cache then holds their prompt, salted).
         out = b.one(P + [1, 2], {"pffs_load": "salted"}, max_tokens=2, cache_salt="s1")

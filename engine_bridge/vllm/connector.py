@@ -10,6 +10,10 @@ A request names what it wants in ``kv_transfer_params``:
   step of the engine, with ``ROOT/NAME`` appearing whole, or with
   ``ROOT/NAME.save-failed`` holding one line that says why
   (``pffs wait ROOT/NAME`` waits for either).
+- ``{"pffs_load_prefix": true}`` (or ``load_prefix`` in the connector's
+  config: every request without a name): the longest run of the prompt's
+  full pages that the mount's token-chain index holds, whichever sessions
+  (or SGLang's stored pages) hold them, loaded as a named session's are.
 - ``{"pffs_load": NAME}``: the full pages of session ``ROOT/NAME`` whose
   tokens the prompt starts with (at most the prompt less its last token,
   which vLLM computes) are loaded into the blocks vLLM allocated, after
@@ -50,17 +54,25 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from engine_bridge.core.bridge import Bridge, SeqBlocks, hf_config_sha256
 from engine_bridge.core.pool import DTYPE_NAMES, BlockId, KVPool, VllmKVPool
 from engine_bridge.errors import BridgeError
+from engine_bridge.transport.mountinfo import StoreAccess, store_access
+from engine_bridge.transport.store_blobs import BlobSource
 from engine_bridge.vllm.lanes import HeadSlicePool, Lane, join_slices, wait_lanes
 from engine_bridge.vllm.plans import (
     INPUTS,
     LOAD,
+    PREFIX,
     SAVE,
     LoadPlan,
     inputs_of,
     plan_load,
+    plan_prefix,
+    prefix_manifest,
+    prefix_space,
     session_path,
 )
+from pffs.client.prefix_lookup import PrefixIndex
 from pffs.client.wait import failure_record
+from pffs.manifest import parse
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,6 +107,7 @@ class LoadJob:
     name: str
     page_ixs: list[int]
     block_ids: list[int]
+    digests: list[str] | None = None    # a prefix found by tokens: page i is blob digests[i]
 
 
 @dataclass
@@ -153,6 +166,10 @@ class PffsConnector(KVConnectorBase_V1):
         self.model = {"name": str(extra.get("model_name") or mc.served_model_name or mc.model),
                       "revision": mc.revision or getattr(mc.hf_config, "_commit_hash", None),
                       "config_sha256": hf_config_sha256(mc.hf_config)}
+        self.prefix_all = bool(extra.get("load_prefix", False))
+        self.space = prefix_space(self.geometry, self.model)
+        self._index: PrefixIndex | None = None
+        self._access: StoreAccess | None = None
         # Scheduler side.
         self._plans: dict[str, LoadPlan] = {}
         self._to_load: list[LoadJob] = []
@@ -183,14 +200,21 @@ class PffsConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        name = self._params(request).get(LOAD)
-        if name is None:
+        params = self._params(request)
+        name = params.get(LOAD)
+        by_prefix = name is None and bool(params.get(PREFIX, self.prefix_all))
+        if name is None and not by_prefix:
             return 0, False
         plan = self._plans.get(request.request_id)
         if plan is None:
-            plan = self._plans[request.request_id] = plan_load(
-                self.root, name, self._params(request), list(request.prompt_token_ids or ()),
-                self.block_size, self.geometry, self.model, inputs_of(request))
+            prompt = list(request.prompt_token_ids or ())
+            if by_prefix:
+                plan = plan_prefix(self._prefix_index(), self.space, prompt, self.block_size,
+                                   inputs_of(request))
+            else:
+                plan = plan_load(self.root, name, params, prompt, self.block_size, self.geometry,
+                                 self.model, inputs_of(request))
+            self._plans[request.request_id] = plan
             if plan.error:
                 log.warning("request %s: %s", request.request_id, plan.error)
         plan.admitting = True
@@ -213,7 +237,7 @@ class PffsConnector(KVConnectorBase_V1):
             return
         first = len(plan.pages) - n
         ids = list(blocks.get_block_ids()[0][first:first + n])
-        job = LoadJob(request.request_id, plan.name, plan.pages[first:], ids)
+        job = LoadJob(request.request_id, plan.name, plan.pages[first:], ids, plan.digests)
         self._to_load.append(job)
         self._loading[request.request_id] = job
 
@@ -321,12 +345,33 @@ class PffsConnector(KVConnectorBase_V1):
         for sjob in meta.saves:
             save_lane.submit(sjob.req_id, functools.partial(self._save, sjob))
 
+    def _prefix_index(self) -> Any:
+        """The mount's token-chain index (scheduler side; opened at the first prefix load)."""
+        if self._index is None:
+            self._index = PrefixIndex(self._store().mountpoint)
+        return self._index
+
+    def _store(self) -> StoreAccess:
+        if self._access is None:
+            access = store_access(self.root)
+            if access is None:
+                raise ValueError(f"{self.root} is not in a pffs mount whose store this host may read: "
+                                 "no prefix loads")
+            self._access = access
+        return self._access
+
     def _load(self, job: LoadJob) -> None:
         bridge = self._load_bridge
         assert bridge is not None
         try:
             t0 = time.perf_counter()
-            bridge.load_into(session_path(self.root, job.name), job.page_ixs, job.block_ids)
+            if job.digests is None:
+                src: Any = session_path(self.root, job.name)
+            else:       # (a prefix found by tokens: its blobs read by digest)
+                manifest = prefix_manifest(self.geometry, self.model, job.digests)
+                nbytes = parse(manifest).page_bytes
+                src = BlobSource(manifest, [nbytes] * len(job.digests), self._store())
+            bridge.load_into(src, job.page_ixs, job.block_ids)
             log.info("request %s: loaded %d pages (%d bytes) of %r in %.3f s", job.req_id,
                      len(job.page_ixs), len(job.page_ixs) * bridge.pool.page_bytes, job.name,
                      time.perf_counter() - t0)

@@ -6,22 +6,34 @@ manifest.json and no page file, so its work does not grow with a session's
 pages beyond parsing that manifest.  Whether each page is there and holds
 its bytes is checked by the worker as it loads (a page that fails is
 reported to vLLM, which computes it instead).
+
+A request without a session name may load the longest prefix of its prompt
+that the mount's token-chain index holds (SPEC §7): :func:`plan_prefix` asks
+the index once per full page of the prompt (O(pages), no FUSE request), and
+the worker reads those blobs by digest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_bridge.core.bridge import check_manifest, read_manifest
+from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, check_manifest, read_manifest
 from engine_bridge.core.pool import DEFAULT_KV
 from engine_bridge.errors import BridgeError
 from engine_bridge.transport.choose import as_source
+from pffs.client.chainkeys import chain_keys, manifest_namespace
+from pffs.errors import PffsError
 from pffs.manifest import LogicalSeq, Manifest
+from pffs.types import Digest
 
 SAVE, LOAD = "pffs_save", "pffs_load"
+#: A request field (true) asking for the longest indexed prefix of the prompt.
+PREFIX = "pffs_load_prefix"
 #: The manifest's top-level field naming what else than tokens a request's KV
 #: depends on (LoRA adapter, cache salt, multimodal inputs).
 INPUTS = "inputs"
@@ -78,6 +90,7 @@ class LoadPlan:
     loaded: int = 0                 # tokens the last admission loaded from pffs
     failed: int = 0                 # pages of a load that failed (none is tried after it)
     admitting: bool = False         # the scheduler asked what can be loaded; blocks come next
+    digests: list[str] | None = None    # a prefix found by tokens: page i is blob digests[i]
 
 
 def seq_of(manifest: Manifest, seq_id: Any) -> LogicalSeq:
@@ -120,4 +133,34 @@ def plan_load(root: Path, name: Any, params: dict[str, Any], prompt: list[int], 
         plan.path, plan.pages = folder, pages
     except (OSError, ValueError, BridgeError) as e:
         plan.error = f"{LOAD} {name!r}: {e}"
+    return plan
+
+
+def prefix_manifest(geometry: dict[str, Any], model: dict[str, Any], digests: list[str]) -> bytes:
+    """A manifest of *digests* as this engine's sessions are written (its model,
+    geometry, layout and KV conventions): what a prefix found by tokens is read
+    as, and what its key namespace is computed from."""
+    return Manifest(**geometry, pages=[Digest(d) for d in digests], layout=SUPPORTED_LAYOUTS[0], model=model,
+                    kv=dict(DEFAULT_KV)).to_json()
+
+
+def prefix_space(geometry: dict[str, Any], model: dict[str, Any]) -> str:
+    """The key namespace of this engine's sessions' pages (pffs.client.chainkeys)."""
+    return manifest_namespace(json.loads(prefix_manifest(geometry, model, [])))
+
+
+def plan_prefix(index: Any, space: str, prompt: list[int], block_size: int,
+                inputs: dict[str, Any]) -> LoadPlan:
+    """The longest run of the prompt's full pages (less its last token) that
+    *index* (a pffs.client.prefix_lookup.PrefixIndex) holds in *space*.  A
+    request with other inputs (LoRA, salt, multimodal) finds nothing: keyed
+    pages depend on their tokens alone."""
+    plan = LoadPlan(PREFIX, digests=[])
+    if inputs:
+        return plan
+    try:
+        plan.digests = [str(d) for d in index.longest_prefix(space, chain_keys(prompt[:-1], block_size))]
+        plan.pages = list(range(len(plan.digests)))
+    except (PffsError, ValueError, OSError, sqlite3.Error) as e:
+        plan.error = f"{PREFIX}: {e}"
     return plan
