@@ -381,6 +381,16 @@ def _prefix_args(s) -> None:
     add_arguments(s)
 
 
+def _from_tokens_args(s) -> None:
+    from pffs.client.from_tokens import add_from_tokens_arguments
+    add_from_tokens_arguments(s)
+
+
+def _tokens_args(s) -> None:
+    from pffs.client.from_tokens import add_tokens_arguments
+    add_tokens_arguments(s)
+
+
 def _check_args(s) -> None:
     s.add_argument("--store", help="store directory")
     s.add_argument("--read-data", action="store_true", help="read, decompress and re-hash every blob")
@@ -478,6 +488,9 @@ COMMANDS = [
     ("prune", "remove old sessions under a folder of a mounted pffs, then gc", _prune_args),
     ("tree", "draw the sessions under a folder as the tree of the page prefixes they share", _tree_args),
     ("prefix", "who holds a session's token prefix, page by page (the prefix index)", _prefix_args),
+    ("from-tokens", "make a session of the pages the store holds for a token sequence (the prefix index)",
+     _from_tokens_args),
+    ("tokens", "print a session's token ids (JSON): the prompt that starts from it", _tokens_args),
     ("push", "publish a session's manifest to the S3 bucket (no page bytes move)", _push_args),
     ("pull", "make a session published in the bucket appear in a mount", _pull_args),
     ("ls-remote", "list the sessions published in the bucket", _ls_remote_args),

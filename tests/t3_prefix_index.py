@@ -175,3 +175,35 @@ def test_blobs_put_beside_the_mount_are_kept_by_key_in_one_request(mount_factory
         os.setxattr(m.path, PREFIX_PUT_XATTR, f"{space} {keys[0]}".encode())
     assert e.value.errno == errno.EINVAL
     assert len({ln for ln in m.log_text().splitlines() if "prefix.put: refused" in ln}) == 2
+
+
+def test_from_tokens_makes_a_session_of_the_indexed_pages(mount_factory, bf16_pages, tmp_path):
+    """pffs from-tokens: a named session of the pages the index holds for a token
+    sequence (a prefix of it), in a template's namespace, whose page files appear
+    without a page byte read; it forks with cp -r, pffs tokens prints its tokens,
+    and pffs check --read-data finds the store clean.  A template of another
+    model finds nothing (exit 1, one line)."""
+    m = mount_factory()
+    tokens = list(range(60_000, 60_000 + 3 * T))
+    man, space, keys = write_session(m.path / "a", varied_pages(bf16_pages, 3, salt=81), tokens)
+    asked = tokens + list(range(5, 5 + T + 3))           # one more full page no session holds
+    (tmp_path / "t.json").write_text(json.dumps(asked))
+    r = pffs("from-tokens", m.path / "kept", "--tokens", tmp_path / "t.json", "--like", m.path / "a")
+    assert r.stdout.strip() == f"{m.path / 'kept'}: 3 pages ({3 * T} tokens) of the 4 full pages of {len(asked)} tokens"
+    kept = mf.parse((m.path / "kept" / "manifest.json").read_bytes())
+    assert kept.pages == man.pages and kept.logical_seqs[0].token_ids == tokens
+    assert sorted(os.listdir(m.path / "kept" / "pages")) == [mf.page_name(i) for i in range(3)]
+    assert (m.path / "kept" / "pages" / mf.page_name(1)).read_bytes() == \
+        (m.path / "a" / "pages" / mf.page_name(1)).read_bytes()
+    run("cp", "-r", m.path / "kept", m.path / "kept2")
+    assert json.loads(pffs("tokens", m.path / "kept2").stdout) == tokens
+    other = json.loads((m.path / "a" / "manifest.json").read_bytes())
+    other["model"] = {"name": "another-model", "revision": "x"}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    r = pffs("from-tokens", m.path / "none", "--tokens", tmp_path / "t.json", "--like",
+             tmp_path / "other.json", check=False)
+    assert r.returncode == 1 and "holds no page of the first" in r.stderr, r.stderr
+    assert not (m.path / "none").exists()
+    m.stop()
+    r = pffs("check", "--store", m.store, "--read-data", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -166,18 +166,23 @@ def prefix_report(session: str, tokens: Sequence[int] | None = None, *, most: in
     return PrefixReport(space, m.page_size_tokens, pages, found)
 
 
+def read_tokens(tokens_file: str) -> list[int]:
+    """The JSON list of token ids in *tokens_file* (PffsError saying why not)."""
+    import json
+    try:
+        with open(tokens_file) as f:
+            tokens = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PffsError(f"{tokens_file}: not a readable JSON list of token ids ({e})") from None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+        raise PffsError(f"{tokens_file}: not a JSON list of token ids")
+    return tokens
+
+
 def prefix_command(session: str, tokens_file: str | None, as_json: bool, out=print) -> int:
     """``pffs prefix SESSION [--tokens FILE] [--json]``: print :func:`prefix_report`."""
     import json
-    tokens = None
-    if tokens_file is not None:
-        try:
-            with open(tokens_file) as f:
-                tokens = json.load(f)
-        except (OSError, ValueError) as e:
-            raise PffsError(f"{tokens_file}: not a readable JSON list of token ids ({e})") from None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise PffsError(f"{tokens_file}: not a JSON list of token ids")
+    tokens = None if tokens_file is None else read_tokens(tokens_file)
     r = prefix_report(session, tokens)
     if as_json:
         out(json.dumps({"namespace": r.space, "page_size_tokens": r.page_size_tokens, "found": r.found,
