@@ -267,16 +267,6 @@ class _ForkArgs:
         self.src, self.dst = src, dst
 
 
-def cmd_wait(args) -> int:
-    from pffs.client.wait import SAVED, wait
-    code, why = wait(args.session, args.timeout)
-    if code == SAVED:
-        print(f"{args.session}: saved")
-    else:
-        print(f"pffs wait: {args.session}: {why}", file=sys.stderr)
-    return code
-
-
 def cmd_seal(args) -> int:
     from pffs.client import mounted as tools
     n, changed = tools.seal(args.session)
@@ -376,19 +366,12 @@ def _du_args(s) -> None:
     s.set_defaults(func=cmd_du)
 
 
-def _prefix_args(s) -> None:
-    from pffs.client.prefix_lookup import add_arguments
-    add_arguments(s)
-
-
-def _from_tokens_args(s) -> None:
-    from pffs.client.from_tokens import add_from_tokens_arguments
-    add_from_tokens_arguments(s)
-
-
-def _tokens_args(s) -> None:
-    from pffs.client.from_tokens import add_tokens_arguments
-    add_tokens_arguments(s)
+def _client_args(module: str, hook: str):
+    """A command whose arguments a pffs.client module adds (imported when it is built)."""
+    def add(s) -> None:
+        import importlib
+        getattr(importlib.import_module(module), hook)(s)
+    return add
 
 
 def _check_args(s) -> None:
@@ -424,12 +407,6 @@ def _tree_args(s) -> None:
     s.add_argument("--lines", type=int, metavar="N", help="show at most N lines below the first, the"
                    " biggest branches first (default 60; 1000 in the SVG; 0: all)")
     s.set_defaults(func=cmd_tree)
-
-
-def _wait_args(s) -> None:
-    s.add_argument("session", help="where an engine was asked to save a session")
-    s.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after this long (exit 2)")
-    s.set_defaults(func=cmd_wait)
 
 
 def _remote(name: str):
@@ -479,7 +456,7 @@ COMMANDS = [
     ("fork", "fork a session without moving page bytes", _fork_args),
     ("seal", "rewrite a session's manifest.json from its page files", _seal_args),
     ("wait", "wait until an engine's save of a session is there (exit 0) or failed (exit 1)",
-     _wait_args),
+     _client_args("pffs.client.wait", "add_arguments")),
     ("demo", "save, fork and restore a KV cache of the reference engine", _demo_args),
     ("stats", "store figures: sessions, bytes, dedup and compression ratios", _stats_args),
     ("du", "what sessions or folders share, hold alone, and would give back if removed", _du_args),
@@ -487,10 +464,10 @@ COMMANDS = [
     ("gc", "remove blobs no file holds and no manifest lists (mounted or not)", _gc_args),
     ("prune", "remove old sessions under a folder of a mounted pffs, then gc", _prune_args),
     ("tree", "draw the sessions under a folder as the tree of the page prefixes they share", _tree_args),
-    ("prefix", "who holds a session's token prefix, page by page (the prefix index)", _prefix_args),
+    ("prefix", "who holds a session's token prefix, page by page (the prefix index)", _client_args("pffs.client.prefix_lookup", "add_arguments")),
     ("from-tokens", "make a session of the pages the store holds for a token sequence (the prefix index)",
-     _from_tokens_args),
-    ("tokens", "print a session's token ids (JSON): the prompt that starts from it", _tokens_args),
+     _client_args("pffs.client.from_tokens", "add_from_tokens_arguments")),
+    ("tokens", "print a session's token ids (JSON): the prompt that starts from it", _client_args("pffs.client.from_tokens", "add_tokens_arguments")),
     ("push", "publish a session's manifest to the S3 bucket (no page bytes move)", _push_args),
     ("pull", "make a session published in the bucket appear in a mount", _pull_args),
     ("ls-remote", "list the sessions published in the bucket", _ls_remote_args),

@@ -18,6 +18,8 @@ SAMPLES = [
     ["fork", "a", "b"],
     ["seal", "s"],
     ["wait", "s", "--timeout", "1.5"],
+    ["from-tokens", "/m/n", "--tokens", "t.json", "--like", "/m/a"],
+    ["tokens", "/m/a", "--seq", "r1"],
     ["demo", "--dtype", "f32", "--tokens", "3"],
     ["stats", "--json", "/m"],
     ["du", "--json", "/m/a", "/m/b"],

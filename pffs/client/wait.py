@@ -49,3 +49,21 @@ def wait(session: str | os.PathLike, timeout: float | None = None) -> tuple[int,
             return TIMED_OUT, f"neither the session nor {failure_record(session).name} after {timeout:g} s"
         time.sleep(pause if end is None else max(0.0, min(pause, end - time.monotonic())))
         pause = min(pause * 2, 0.25)
+
+
+def wait_command(session: str, timeout: float | None) -> int:
+    """``pffs wait PATH [--timeout S]``: exit 0 saved, 1 failed (why on stderr), 2 timed out."""
+    import sys
+    code, why = wait(session, timeout)
+    if code == SAVED:
+        print(f"{session}: saved")
+    else:
+        print(f"pffs wait: {session}: {why}", file=sys.stderr)
+    return code
+
+
+def add_arguments(s) -> None:
+    """``pffs wait``'s arguments (pffs.cli's parser)."""
+    s.add_argument("session", help="where an engine was asked to save a session")
+    s.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after this long (exit 2)")
+    s.set_defaults(func=lambda args: wait_command(args.session, args.timeout))
