@@ -8,7 +8,9 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 need=()
-for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc patch librsvg2-bin attr mount; do
+# (g++, ninja-build and libssl-dev: SGLang builds its HiCache page hash, a C++
+# extension, on first use.)
+for pkg in fuse3 libfuse3-dev pkg-config rsync zstd python3-venv python3-dev gcc g++ ninja-build libssl-dev patch librsvg2-bin attr mount; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -64,4 +66,14 @@ if ! cmp -s third_party/vllm/requirements.txt .venv/.pffs-vllm-installed 2>/dev/
     .venv/bin/pip uninstall -q -y vllm 2>/dev/null || true
     .venv/bin/pip install -q --disable-pip-version-check --no-deps -r third_party/vllm/requirements.txt
     cp third_party/vllm/requirements.txt .venv/.pffs-vllm-installed
+fi
+# SGLang (for the HiCache tests: its radix cache, host KV pool and cache
+# controller writing pages through to an L3 storage backend and prefetching them)
+# without its CUDA dependencies, the same way: every package pinned and installed
+# with --no-deps, so torch 2.13.0 stays (third_party/sglang/requirements.txt says
+# why each is there; tests/sglang_cpu.py holds the run-time workarounds for a
+# machine without an accelerator).
+if ! cmp -s third_party/sglang/requirements.txt .venv/.pffs-sglang-installed 2>/dev/null; then
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps -r third_party/sglang/requirements.txt
+    cp third_party/sglang/requirements.txt .venv/.pffs-sglang-installed
 fi

@@ -174,11 +174,11 @@ def test_pffs_keeps_at_most_eight_modules_at_its_top():
 
 
 def test_each_engine_adapter_sits_in_its_own_folder():
-    for adapter in ("reference", "transformers", "vllm"):
+    for adapter in ("reference", "transformers", "vllm", "sglang"):
         folder = ROOT / "engine_bridge" / adapter
         assert (folder / "__init__.py").is_file(), adapter
     loose = sorted(p.name for p in (ROOT / "engine_bridge").glob("*.py"))
-    assert not [n for n in loose if any(a in n for a in ("reference", "transformers", "vllm"))], loose
+    assert not [n for n in loose if any(a in n for a in ("reference", "transformers", "vllm", "sglang"))], loose
 
 
 def test_test_files_are_named_by_level_and_say_it():

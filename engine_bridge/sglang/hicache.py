@@ -1,0 +1,334 @@
+"""pffs as SGLang's HiCache storage tier: :class:`PffsHiCacheStorage`.
+
+SGLang's hierarchical cache moves pages GPU -> host pool -> an L3 store keyed
+by a chain hash of each page's tokens (its ``get_hash_str``), and prefetches
+them back for any prompt starting with the same tokens.  This backend makes
+a pffs mount that store, through the token-chain index (SPEC §7,
+``docs/prefix-index.md``):
+
+- ``batch_exists``/``batch_get_v1`` look the keys up in the index, so a page
+  of any session (saved by any engine: vLLM, transformers, a fork, a pull) is
+  a hit, as is a page SGLang stored itself;
+- ``batch_set_v1`` puts the host pool's pages into the mount's store by the
+  direct path (page bytes never cross FUSE) and keeps them by key in the
+  key-only cache (``user.pffs.prefix.put``: one request a batch), which the
+  mount keeps within ``-o prefix_cache_size=`` (LRU; session pages never go).
+
+A page is the SPEC §1 page (K then V, each ``[layers, tokens, heads,
+head_dim]``): SGLang's ``page_first_direct`` host layout holds it as two
+contiguous halves; ``page_first`` and ``layer_first`` are converted on the way.
+Every page read is checked against its sha256: a missing or damaged blob is a
+miss (False), never wrong bytes.
+
+Attach it with SGLang's dynamic backend (``docs/engines.md``)::
+
+    --enable-hierarchical-cache --hicache-mem-layout page_first_direct
+    --hicache-storage-backend dynamic --page-size 16
+    --hicache-storage-backend-extra-config '{"backend_name": "pffs",
+        "module_path": "engine_bridge.sglang", "class_name": "PffsHiCacheStorage",
+        "interface_v1": 1, "root": "/mnt/kvcache"}'
+
+Extra config: ``root`` (a pffs mount, required), ``config_sha256`` (the
+model's identity when SGLang's model path is not a local Hugging Face
+folder), ``io_threads`` (pages encoded, decoded and hashed at once; default
+up to 4).  Refused at start, in one line: MLA models, pipeline parallel,
+extra host pools (Mamba, sliding window, draft), a host layout other than
+the three above.  At tensor parallel > 1 every rank reads its heads of the
+whole-head pages; SGLang writes per-rank slices, which pffs does not keep
+(sessions hold whole heads): those ranks store nothing and say so once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, hf_config_sha256
+from engine_bridge.core.pool import DEFAULT_KV, DTYPE_NAMES
+from engine_bridge.errors import DamagedPage
+from engine_bridge.transport.mountinfo import StoreAccess, store_access
+from engine_bridge.transport.store_blobs import decode_page, fetch_frame
+from pffs.client.access import gc_lock
+from pffs.client.chainkeys import manifest_namespace
+from pffs.client.prefix_lookup import PrefixIndex, cache_blobs
+from pffs.errors import MissingBlob, PffsError
+from pffs.manifest import Manifest
+from pffs.types import Digest, digest_of
+
+log = logging.getLogger("sglang.pffs")
+
+LAYOUTS = ("page_first_direct", "page_first", "layer_first")
+#: The folder under the root holding each key namespace's template manifest.
+TEMPLATES = ".hicache"
+HEX = frozenset("0123456789abcdef")
+
+
+def is_key(k: object) -> bool:
+    return isinstance(k, str) and len(k) == 64 and HEX.issuperset(k)
+
+
+def model_identity(model_path: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+    """The model part of the key namespace: the config's sha256 as the other engines'
+    bridges compute it (so their sessions are hits), from *extra* or the model folder."""
+    if extra.get("config_sha256"):
+        return {"config_sha256": str(extra["config_sha256"])}
+    if model_path:
+        try:
+            from transformers import AutoConfig
+            cfg = AutoConfig.from_pretrained(model_path, local_files_only=True)
+            return {"config_sha256": hf_config_sha256(cfg)}
+        except Exception as e:      # (not a local folder: the name alone)
+            log.warning("pffs HiCache storage: no config of %r (%s): keys named by the model's "
+                        "name only; give extra config config_sha256 to meet other engines' sessions",
+                        model_path, e)
+    return {"name": model_path, "revision": None}
+
+
+class PffsHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache L3 storage in a pffs mount (``interface_v1``)."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None):
+        extra = dict(storage_config.extra_config or {})
+        if not extra.get("root"):
+            raise ValueError("pffs HiCache storage needs extra config 'root': a pffs mount")
+        if not extra.get("interface_v1"):
+            raise ValueError("pffs HiCache storage needs extra config \"interface_v1\": 1")
+        if storage_config.is_mla_model:
+            raise ValueError("pffs HiCache storage: MLA models are not supported "
+                             "(a pffs page holds K and V of every head)")
+        if storage_config.pp_size > 1:
+            raise ValueError(f"pffs HiCache storage: pipeline parallel (size {storage_config.pp_size}) "
+                             "is not supported")
+        access = store_access(extra["root"])
+        if access is None:
+            raise ValueError(f"pffs HiCache storage: {extra['root']} is not in a pffs mount whose "
+                             "store this process may use directly")
+        self.access: StoreAccess = access
+        self.root = str(extra["root"])
+        self.mount = access.mountpoint
+        self.blobs = access.blobs()
+        self.tp_rank, self.tp_size = storage_config.tp_rank, storage_config.tp_size
+        self.identity = model_identity(storage_config.model_name, extra)
+        self.io_threads = max(1, int(extra.get("io_threads", min(4, os.cpu_count() or 1))))
+        self._threads = ThreadPoolExecutor(self.io_threads, thread_name_prefix="pffs-hicache")
+        self._local = threading.local()
+        self._said_slices = False
+        self.space = ""
+        self.mem_pool_host: Any = None
+
+    # -- the host pool ------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        host = mem_pool_host
+        layout = getattr(host, "layout", None)
+        if layout not in LAYOUTS:
+            raise ValueError(f"pffs HiCache storage: host layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        if not all(hasattr(host, a) for a in ("head_num", "head_dim", "layer_num", "kv_buffer")):
+            raise ValueError(f"pffs HiCache storage: a {type(host).__name__} host pool is not an MHA "
+                             "pool of K and V")
+        if host.dtype not in DTYPE_NAMES:
+            raise ValueError(f"pffs HiCache storage: KV dtype {host.dtype} is not one pages hold")
+        super().register_mem_pool_host(host)
+        self.page_size = int(host.page_size)
+        self.n_layers, self.heads, self.head_dim = int(host.layer_num), int(host.head_num), int(host.head_dim)
+        self.n_heads = self.heads * self.tp_size          # whole-head pages
+        self.first_head = self.heads * self.tp_rank
+        self.page_bytes = 2 * self.n_layers * self.page_size * self.n_heads * self.head_dim * host.dtype.itemsize
+        # The manifest this engine's pages would have: their key namespace is its.
+        self.template = Manifest(page_size_tokens=self.page_size, n_layers=self.n_layers,
+                                 n_heads=self.n_heads, head_dim=self.head_dim,
+                                 dtype=DTYPE_NAMES[host.dtype], pages=[], layout=SUPPORTED_LAYOUTS[0],
+                                 model=self.identity, kv=dict(DEFAULT_KV), engine={"name": "sglang"})
+        self.space = manifest_namespace(json.loads(self.template.to_json()))
+        if self.tp_rank == 0:
+            self._write_template()
+        log.info("pffs HiCache storage on %s: %d layers x %d heads x %d x %d tokens (%s), %s layout, "
+                 "key namespace %s", self.mount, self.n_layers, self.n_heads, self.head_dim,
+                 self.page_size, DTYPE_NAMES[host.dtype], layout, self.space[:16])
+
+    def _write_template(self) -> None:
+        """``ROOT/.hicache/<namespace>.json``: a manifest with no pages, of this model,
+        geometry and KV conventions: ``pffs from-tokens --like`` it makes a named session
+        of pages SGLang stored.  Written once (an existing one is left)."""
+        folder = os.path.join(self.root, TEMPLATES)
+        path = os.path.join(folder, f"{self.space}.json")
+        if os.path.exists(path):
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(self.template.to_json())
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("pffs HiCache storage: cannot write %s: %s", path, e.strerror or e)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        if str(host_pool_name) not in ("kv", "PoolName.KV"):
+            raise ValueError(f"pffs HiCache storage: extra host pool {str(host_pool_name)!r} "
+                             "(Mamba, sliding window, draft, ...) is not supported")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _view(self, index: int) -> torch.Tensor:
+        """The host pool's page starting at token *index*, as [2, layers, tokens, heads, dim]."""
+        buf, t = self.mem_pool_host.kv_buffer, self.page_size
+        layout = self.mem_pool_host.layout
+        if layout == "page_first_direct":
+            return buf[:, index // t]
+        if layout == "page_first":
+            return buf[:, index:index + t].permute(0, 2, 1, 3, 4)
+        return buf[:, :, index:index + t]
+
+    def _staging(self) -> torch.Tensor:
+        """This thread's page buffer (whole heads)."""
+        st = getattr(self._local, "staging", None)
+        if st is None or st.numel() != self.page_bytes:
+            st = self._local.staging = torch.empty(self.page_bytes, dtype=torch.uint8)
+        return st
+
+    def _typed(self, staging: torch.Tensor) -> torch.Tensor:
+        return staging.view(self.mem_pool_host.dtype).view(
+            2, self.n_layers, self.page_size, self.n_heads, self.head_dim)
+
+    def _index(self) -> PrefixIndex:
+        """This thread's view of the mount's index (SQLite connections stay with their thread)."""
+        ix = getattr(self._local, "index", None)
+        if ix is None:
+            ix = self._local.index = PrefixIndex(self.mount)
+        return ix
+
+    @staticmethod
+    def _starts(keys: Sequence[str], host_indices: torch.Tensor, page_size: int) -> list[int]:
+        flat = host_indices.reshape(-1).tolist()
+        if len(flat) != len(keys) * page_size:
+            raise ValueError(f"{len(flat)} host indices for {len(keys)} pages of {page_size} tokens")
+        return [int(flat[i * page_size]) for i in range(len(keys))]
+
+    # -- lookups and reads --------------------------------------------------------
+
+    def _found(self, keys: Sequence[str], touch: bool) -> list[Digest]:
+        lead = []
+        for k in keys:
+            if not is_key(k):
+                break
+            lead.append(k)
+        return self._index().longest_prefix(self.space, lead, touch=touch) if lead else []
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        try:
+            return len(self._found(keys, touch=False))
+        except PffsError as e:
+            log.warning("pffs HiCache storage: lookup of %d keys failed: %s", len(keys), e)
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def _read_page(self, d: Digest, start: int) -> bool:
+        staging = self._staging()
+        out = staging.numpy().data
+        try:
+            frame, cached = fetch_frame(self.blobs, self.access.bucket, d)
+            n, checked = decode_page(self.access.bucket, 0, d, frame, cached, out)
+            if n != self.page_bytes or (not checked and digest_of(out) != d):
+                log.warning("pffs HiCache storage: blob %s is not a page of this geometry or is "
+                            "damaged: a miss", d)
+                return False
+        except (MissingBlob, DamagedPage, PffsError) as e:
+            log.warning("pffs HiCache storage: blob %s: %s: a miss", d, e)
+            return False
+        page = self._typed(staging)
+        if self.tp_size > 1:
+            page = page[:, :, :, self.first_head:self.first_head + self.heads]
+        self._view(start).copy_(page)
+        return True
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        ok = [False] * len(keys)
+        try:
+            digests = self._found(keys, touch=True)
+            starts = self._starts(keys, host_indices, self.page_size)
+            got = list(self._threads.map(self._read_page, digests, starts[:len(digests)]))
+        except (PffsError, ValueError) as e:
+            log.warning("pffs HiCache storage: get of %d pages failed: %s", len(keys), e)
+            return ok
+        for i, g in enumerate(got):     # (the leading run only: a miss ends a prefix)
+            if not g:
+                break
+            ok[i] = True
+        return ok
+
+    # -- writes -------------------------------------------------------------------
+
+    def _put_page(self, start: int, batch: Any) -> Digest:
+        staging = self._staging()
+        self._typed(staging).copy_(self._view(start))
+        data = staging.numpy().data
+        d = digest_of(data)
+        self.blobs.put(data, d, batch=batch)
+        return d
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        if self.tp_size > 1:
+            if not self._said_slices:
+                self._said_slices = True
+                log.warning("pffs HiCache storage: at tensor parallel %d SGLang writes per-rank "
+                            "slices and pffs keeps whole-head pages: rank %d stores nothing "
+                            "(lookups and reads of stored pages work)", self.tp_size, self.tp_rank)
+            return [False] * len(keys)
+        if not all(is_key(k) for k in keys):
+            log.warning("pffs HiCache storage: %d keys are not 64 hex digits: not stored", len(keys))
+            return [False] * len(keys)
+        gc = gc_lock(self.access.root) if self.access.bucket is None else None
+        pins = gc.pin() if gc is not None else None
+        try:
+            starts = self._starts(keys, host_indices, self.page_size)
+            batch = self.blobs.batch()
+            hold = gc.hold_shared() if gc is not None else None
+            try:
+                digests = list(self._threads.map(lambda s: self._put_page(s, batch), starts))
+                if pins is not None:
+                    pins.add(digests)
+            finally:
+                if hold is not None:
+                    hold.release()
+            if self.access.bucket is not None:
+                batch.sync()        # (every upload in the bucket before the mount looks)
+            cache_blobs(self.mount, self.space, list(zip(keys, digests)))
+            return [True] * len(keys)
+        except (PffsError, OSError, ValueError) as e:
+            log.warning("pffs HiCache storage: set of %d pages failed: %s", len(keys), e)
+            return [False] * len(keys)
+        finally:
+            if pins is not None:
+                pins.close()
+
+    # -- the interface before v1 (SGLang calls v1 when the config says so) ---------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+
+    def clear(self) -> None:
+        """Nothing: the store's pages are sessions' and the key-only cache evicts itself."""
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)

@@ -1,0 +1,744 @@
+"""SGLang's HiCache (radix cache, host KV pool, cache controller, L3 storage) on a machine
+without an accelerator: test-only workarounds and a small builder.
+
+SGLang 0.5.23 is installed by scripts/setup.sh from third_party/sglang/requirements.txt
+with ``--no-deps`` (no triton, torchvision, flashinfer or CUDA libraries; torch stays
+2.13.0+cpu).  Its HiCache code is device-agnostic Python, but a few things on its import
+and transfer paths assume an accelerator.  :func:`install` patches them at run time,
+from here only (nothing in SGLang's files is edited); each workaround below names the
+SGLang code it replaces and why.
+
+The builder follows SGLang's own unit-test kit
+(``sglang/test/kits/unified_radix_cache/{fixtures,mixins,storage}.py``: ``build_fixture``,
+``_init_hicache``, ``_l3_produce``, ``_l3_consumer``, ``_consume_prefetch``).  The kit
+itself is not imported: its ``config.py`` imports ``sglang.test.test_utils``, which
+imports SGLang's benchmark datasets (``datasets``, ``pandas``, ``pyarrow``), far from
+light.  The objects are SGLang's real ones: ``MHATokenToKVPool`` on the CPU, its
+``PagedTokenToKVPoolAllocator``, the ``UnifiedRadixCache`` (SGLang's radix cache; its
+``init_hicache`` builds the host pool group, the ``MHATokenToKVPoolHost`` and the
+``HybridCacheController``, a ``HiCacheController``), and the storage backend that
+the controller's ``StorageBackendFactory`` creates.  Write-through to L3 and prefetch
+run on the controller's own backup and prefetch threads.
+
+Usage::
+
+    import sglang_cpu
+    kw = dict(page_size=16, n_layers=2, n_heads=4, head_dim=64, dtype=torch.bfloat16,
+              layout="page_first_direct", storage_backend="file", storage_dir=tmp)
+    tokens = list(range(1, 65))
+    with sglang_cpu.make_hicache(**kw) as hc:
+        k, v = sglang_cpu.random_kv(hc, len(tokens))   # (n_layers, n_tokens, heads, dim)
+        hc.insert(tokens, k, v)        # device pool + radix cache; starts the write-through
+        hc.wait_storage_writes()       # device -> host -> L3 done (or hc.backup(tokens, k, v))
+    with sglang_cpu.make_hicache(**kw) as fresh:        # new host pool and controller
+        host_indices = fresh.prefetch(tokens)           # L3 -> host pool
+        assert fresh.host_page_bytes(host_indices) == sglang_cpu.contract_page_bytes(k, v, 16)
+        device_slots = fresh.load_back(tokens)          # host -> device pool
+
+A dynamic backend: ``storage_backend="dynamic", backend_extra_config={"backend_name":
+"x", "module_path": "sglang_cpu", "class_name": "RecordingStorage", "interface_v1": 1}``
+(:class:`RecordingStorage` records the controller's calls).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import json
+import os
+import threading
+import time
+import types
+from array import array
+from typing import Any, Optional
+
+import torch
+
+_installed = False
+_install_lock = threading.Lock()
+
+# ---------------------------------------------------------------------------
+# Import stubs: triton and torchvision, for SGLang's own modules only.
+# ---------------------------------------------------------------------------
+# sglang/srt/utils/common.py (and many kernel modules on the HiCache import chain:
+# sglang/kernels/ops/..., srt/layers/...) import triton at module level and decorate
+# functions with @triton.jit; sglang/srt/multimodal/internvl_utils.py (reached from
+# srt/configs/__init__.py) imports torchvision.transforms.  Neither is installed here:
+# triton is GPU-only weight, and torchvision's wheel is built against another torch
+# (installed with --no-deps, its C++ ops fail to register against 2.13.0+cpu:
+# "operator torchvision::nms does not exist").  None of those kernels or transforms
+# run on the HiCache path.  The stubs are handed out by an
+# ``builtins.__import__`` wrapper only to importers whose module name starts with
+# "sglang": they never enter sys.modules, so torch (torch.utils._triton,
+# torch._inductor) and transformers (is_torchvision_available, find_spec) still see
+# neither package and keep their no-triton / no-torchvision paths.
+
+_STUB_ROOTS = ("triton", "torchvision")
+
+
+class _Anything:
+    """A permissive stand-in for any attribute of a stubbed package (decorators,
+    ``tl.constexpr`` annotations, dtypes, ``triton.cdiv``...)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, key: str):
+        if key.startswith("__"):
+            raise AttributeError(key)
+        if key == "driver":
+            # triton.runtime.driver.active...: "no active driver", as SGLang's fla
+            # utils expect on a machine without a GPU (they catch and fall back to cpu).
+            raise AttributeError(f"{self._name}.driver (triton stub: no driver)")
+        return _Anything(f"{self._name}.{key}")
+
+    def __call__(self, *args, **kwargs):
+        # As a decorator (@triton.jit, @triton.autotune(...)(fn)): return the function.
+        if len(args) == 1 and not kwargs and callable(args[0]) and not isinstance(args[0], _Anything):
+            return args[0]
+        return _Anything(f"{self._name}()")
+
+    def __getitem__(self, key):
+        return _Anything(f"{self._name}[]")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+    def __iter__(self):
+        return iter(())
+
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return f"<sglang_cpu stub {self._name}>"
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, key: str):
+        if key.startswith("__"):
+            raise AttributeError(key)
+        if key == "driver":
+            raise AttributeError(f"{self.__name__}.driver (triton stub: no driver)")
+        return _Anything(f"{self.__name__}.{key}")
+
+
+_stubs: dict[str, _StubModule] = {}
+
+
+def _stub_module(name: str) -> _StubModule:
+    mod = _stubs.get(name)
+    if mod is None:
+        mod = _stubs[name] = _StubModule(name)
+        mod.__path__ = []  # a package: submodules import
+        mod.__file__ = None
+        if name == "triton":
+            mod.__version__ = "3.5.0"
+            mod.jit = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
+            mod.cdiv = lambda a, b: -(-a // b)
+        elif name == "torchvision":
+            mod.__version__ = "0.0.0"
+        parent, _, leaf = name.rpartition(".")
+        if parent:
+            setattr(_stub_module(parent), leaf, mod)
+    return mod
+
+
+_real_import = builtins.__import__
+
+
+def _sglang_stub_import(name, globals=None, locals=None, fromlist=(), level=0):
+    if (level == 0 and name.partition(".")[0] in _STUB_ROOTS
+            and ((globals or {}).get("__name__") or "").startswith("sglang")):
+        mod = _stub_module(name)
+        return mod if fromlist else _stub_module(name.partition(".")[0])
+    return _real_import(name, globals, locals, fromlist, level)
+
+
+def _install_import_stubs() -> None:
+    if builtins.__import__ is not _sglang_stub_import:
+        builtins.__import__ = _sglang_stub_import
+
+
+# ---------------------------------------------------------------------------
+# Host pools without pinned memory.
+# ---------------------------------------------------------------------------
+# sglang/srt/mem_cache/pool_host/base.py HostKVCache.__init__ takes pin_memory from
+# its subclasses (MHATokenToKVPoolHost defaults it to True); with it,
+# pool_host/common.py alloc_with_host_register calls cudaHostRegister and
+# MHATokenToKVPoolHost.get_dummy_flat_data_page asks torch for pinned memory, both of
+# which need CUDA.  Every host pool is built with pin_memory=False instead (what
+# SGLang's own kit does for its CPU-indexed fixtures, by wrapping
+# get_mha_host_pool_cls).
+
+def _patch_host_pool_pin_memory() -> None:
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+    orig = HostKVCache.__init__
+    if getattr(orig, "_sglang_cpu", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        kwargs["pin_memory"] = False
+        orig(self, *args, **kwargs)
+
+    __init__._sglang_cpu = True
+    __init__.__wrapped__ = orig
+    HostKVCache.__init__ = __init__
+
+
+# ---------------------------------------------------------------------------
+# Device <-> host KV copies for the "direct" io backend, in plain torch.
+# ---------------------------------------------------------------------------
+# sglang/srt/mem_cache/pool_host/mha.py binds transfer_kv_direct,
+# transfer_kv_per_layer_direct_pf_lf and transfer_kv_all_layer_direct_lf_pf from
+# sgl_kernel.kvcacheio only on CUDA/HIP (or from _kvcacheio on XPU); elsewhere the
+# names are unbound and MHATokenToKVPoolHost.backup_from_device_all_layer /
+# load_to_device_per_layer fail with NameError.  These are the same copies by torch
+# indexing, token by token (host token h of page_first_direct lives at
+# kv_buffer[k|v, h // page_size, layer, h % page_size]).
+
+def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """layer_first: dst_layers[i][dst_indices] = src_layers[i][src_indices]."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)].to(dst.device)
+
+
+def _transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    """Device (layer-first: src_ptrs = [k_layer_0.., v_layer_0..]) -> host
+    page_first_direct (dst_ptrs = [k_buffer, v_buffer], (page, layer, slot, head, dim))."""
+    num_layers = len(src_ptrs) // 2
+    dst_indices = dst_indices.to(torch.int64).cpu()
+    pages, slots = dst_indices // page_size, dst_indices % page_size
+    for kv, dst in enumerate(dst_ptrs):
+        for layer in range(num_layers):
+            src = src_ptrs[kv * num_layers + layer]
+            dst[pages, layer, slots] = src[src_indices.to(torch.int64).to(src.device)].to(dst.device)
+
+
+def _transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, layer_id, dst_indices,
+                                        page_size):
+    """Host page_first_direct (src_ptrs = [k_buffer, v_buffer]) -> device layer
+    ``layer_id`` (dst_ptrs = [k_layer, v_layer])."""
+    src_indices = src_indices.to(torch.int64).cpu()
+    pages, slots = src_indices // page_size, src_indices % page_size
+    for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
+        dst[dst_indices.to(torch.int64).to(dst.device)] = src[pages, layer_id, slots].to(dst.device)
+
+
+def _patch_direct_transfers() -> None:
+    from sglang.srt.mem_cache.pool_host import mha
+
+    for name, fn in (("transfer_kv_direct", _transfer_kv_direct),
+                     ("transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf),
+                     ("transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf)):
+        if not hasattr(mha, name):
+            setattr(mha, name, fn)
+
+
+# ---------------------------------------------------------------------------
+# get_device() on a machine with no accelerator.
+# ---------------------------------------------------------------------------
+# sglang/srt/utils/common.py get_device answers "cpu" only in SGLang's CPU-engine mode
+# (SGLANG_USE_CPU_ENGINE=1, which needs sgl_kernel's CPU build: memory_pool.py then
+# imports sgl_kernel) and otherwise raises "No accelerator ... is available".  SGLang's
+# unit-test kit (fixtures.build_fixture) places its pools with it.  The wrapper answers
+# "cpu" where the original raises; modules that already bound the name are rebound.
+
+def _patch_get_device() -> None:
+    import sys
+
+    from sglang.srt.utils import common
+
+    orig = common.get_device
+    if getattr(orig, "_sglang_cpu", False):
+        return
+
+    def get_device(device_id: Optional[int] = None) -> str:
+        try:
+            return orig(device_id)
+        except RuntimeError:
+            return "cpu"
+
+    get_device._sglang_cpu = True
+    get_device.__wrapped__ = orig
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("sglang") and getattr(mod, "get_device", None) is orig:
+            mod.get_device = get_device
+
+
+# ---------------------------------------------------------------------------
+# torch.cpu.Stream.synchronize.
+# ---------------------------------------------------------------------------
+# sglang/srt/mem_cache/l2_transfer.py L2TransferEngine._submission runs the device<->host
+# copies on get_device_module().Stream() -- torch.cpu.Stream here -- and on an error
+# calls stream.synchronize() before re-raising; torch.cpu.Stream has no synchronize, so
+# the AttributeError would hide the copy's own error.  CPU work is synchronous: a no-op.
+
+def _patch_cpu_stream_synchronize() -> None:
+    if not hasattr(torch.cpu.Stream, "synchronize"):
+        torch.cpu.Stream.synchronize = lambda self: None
+
+
+# ---------------------------------------------------------------------------
+# A single-rank topology.
+# ---------------------------------------------------------------------------
+# HiCache reads the process's place in the parallel groups (runtime_context
+# get_parallel(): tp_rank, tp_size, pp_rank, pp_size -- HiCacheController
+# _generate_storage_config, HiCacheFile's file names) and raises where nothing
+# published it, as in a unit test without torch.distributed.  SGLang's kit forces the
+# local single-rank topology with get_parallel().override(...) around each fixture;
+# here it is stated once for the test process (only where nothing else stated it).
+
+def _single_rank_topology() -> None:
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        _ = parallel.tp_rank
+    except RuntimeError:
+        parallel.override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+
+
+def install() -> None:
+    """Apply every workaround (idempotent)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _install_import_stubs()
+        _patch_get_device()
+        _patch_cpu_stream_synchronize()
+        _patch_host_pool_pin_memory()
+        _patch_direct_transfers()
+        _single_rank_topology()
+        _installed = True
+
+
+# ---------------------------------------------------------------------------
+# The builder.
+# ---------------------------------------------------------------------------
+
+def _poll(cond, timeout: float, what: str, pump=None) -> None:
+    """Call *pump* (SGLang's scheduler-side event pump) and test *cond* until it holds
+    or *timeout* seconds pass (TimeoutError).  The controller's storage threads do the
+    work; between rounds this yields the CPU for at most a millisecond."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if pump is not None:
+            pump()
+        if cond():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not done after {timeout} s")
+        time.sleep(0.001)
+
+
+@dataclasses.dataclass
+class StorageWrite:
+    """One host -> L3 write the controller's backup thread ran (a StorageOperation)."""
+    keys: list[str]
+    host_indices: torch.Tensor
+    completed_tokens: int
+    page_size: int
+
+    @property
+    def complete(self) -> bool:
+        return self.completed_tokens == len(self.keys) * self.page_size
+
+
+@dataclasses.dataclass
+class HiCache:
+    """SGLang's real HiCache objects on the CPU, and test helpers around them."""
+
+    server_args: Any            # sglang.srt.server_args.ServerArgs
+    req_to_token_pool: Any      # ReqToTokenPool
+    kv_pool: Any                # MHATokenToKVPool (device pool, on the CPU)
+    allocator: Any              # PagedTokenToKVPoolAllocator
+    cache: Any                  # UnifiedRadixCache (the radix tree, HiCache on)
+    controller: Any             # HybridCacheController (a HiCacheController)
+    host_pool: Any              # MHATokenToKVPoolHost (anchor of the host pool group)
+    storage: Any                # the L3 backend (HiCacheFile, a dynamic backend, ...)
+    page_size: int
+    storage_writes: list = dataclasses.field(default_factory=list)
+    _closed: bool = False
+
+    # -- device side --------------------------------------------------------
+    def write_kv(self, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V, each (n_layers, len(indices), n_heads, head_dim), at device
+        token slots *indices* of the device pool."""
+        for layer in range(self.kv_pool.layer_num):
+            self.kv_pool.k_buffer[layer][indices] = k[layer].to(self.kv_pool.dtype)
+            self.kv_pool.v_buffer[layer][indices] = v[layer].to(self.kv_pool.dtype)
+
+    def device_kv(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at device token slots *indices*: (n_layers, n, n_heads, head_dim) each."""
+        k = torch.stack([self.kv_pool.k_buffer[layer][indices] for layer in range(self.kv_pool.layer_num)])
+        v = torch.stack([self.kv_pool.v_buffer[layer][indices] for layer in range(self.kv_pool.layer_num)])
+        return k, v
+
+    def radix_key(self, tokens, extra_key: Optional[str] = None, cache_salt: Optional[str] = None):
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        return RadixKey(array("q", tokens), extra_key=extra_key, cache_salt=cache_salt)
+
+    def insert(self, tokens, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+               extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> torch.Tensor:
+        """Allocate device slots for *tokens* (whole pages), store K/V there (when given)
+        and insert the sequence into the radix cache, as a finished request's prefill
+        does.  With the write_through policy the insert itself starts the device -> host
+        backup; :meth:`wait_storage_writes` pumps it on to L3.  Returns the device slots."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        n = len(tokens)
+        if n % self.page_size:
+            raise ValueError(f"{n} tokens is not a whole number of {self.page_size}-token pages")
+        indices = self.allocator.alloc(n)
+        if indices is None:
+            raise MemoryError(f"device pool has no room for {n} tokens")
+        indices = indices.to(torch.int64)
+        if k is not None:
+            self.write_kv(indices, k, v)
+        self.cache.insert(InsertParams(key=self.radix_key(tokens, extra_key, cache_salt), value=indices))
+        return indices
+
+    # -- write-through ------------------------------------------------------
+    def storage_writes_pending(self) -> bool:
+        c, cc = self.cache, self.controller
+        return bool(c.ongoing_write_through or c.ongoing_backup or cc.write_queue
+                    or cc.ack_write_queue or (cc.enable_storage and not cc.backup_queue.empty()))
+
+    def wait_storage_writes(self, timeout: float = 30.0, check: bool = True) -> list[StorageWrite]:
+        """Pump SGLang's event loop step (UnifiedRadixCache.check_hicache_events: submit
+        the device -> host copies, finish their acks, which queues the host -> L3 writes,
+        and drain the storage acks) until no backup is in flight.  Returns the storage
+        writes run so far (and forgets them); with *check*, raises if one did not
+        complete."""
+        _poll(lambda: not self.storage_writes_pending(), timeout, "HiCache storage writes",
+              self.cache.check_hicache_events)
+        done, self.storage_writes[:] = list(self.storage_writes), []
+        if check:
+            bad = [w for w in done if not w.complete]
+            if bad:
+                raise RuntimeError(f"storage writes incomplete: {bad}")
+        return done
+
+    def backup(self, tokens, k=None, v=None, timeout: float = 30.0, **key_kw) -> list[StorageWrite]:
+        """insert() then wait_storage_writes(): the sequence's full pages end in L3."""
+        self.insert(tokens, k, v, **key_kw)
+        return self.wait_storage_writes(timeout)
+
+    # -- prefetch -----------------------------------------------------------
+    def prefetch(self, tokens, timeout: float = 30.0, rid: Optional[str] = None,
+                 extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> torch.Tensor:
+        """Prefetch *tokens* from L3 into the host pool, as the scheduler does for a new
+        request whose prefix is not cached (UnifiedRadixCache.prefetch_from_storage from
+        the root, then check_hicache_events / check_prefetch_progress until done), and
+        return the host token indices now holding the sequence's cached prefix (those of
+        its matched host nodes, root first; empty if nothing was fetched)."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        self._prefetch_seq = getattr(self, "_prefetch_seq", 0) + 1
+        handle = CacheRequestHandle(rid or f"sglang_cpu-prefetch-{self._prefetch_seq}", 0)
+        self.cache.prefetch_from_storage(handle, self.cache.root_node_handle(), array("q", tokens),
+                                         None, None, extra_key=extra_key, cache_salt=cache_salt)
+        _poll(lambda: self.cache.check_prefetch_progress(handle), timeout, "HiCache prefetch",
+              self.cache.check_hicache_events)
+        self.cache.pop_prefetch_loaded_tokens(handle)
+        return self.host_indices(tokens, extra_key=extra_key, cache_salt=cache_salt)
+
+    def host_indices(self, tokens, extra_key: Optional[str] = None,
+                     cache_salt: Optional[str] = None) -> torch.Tensor:
+        """Host token indices of the host-only (not on device) prefix of *tokens* in the
+        radix cache: the transfer the cache would load back (tree_core
+        .build_load_back_spec of the deepest host node)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        m = self.cache.match_prefix(MatchPrefixParams(key=self.radix_key(tokens, extra_key, cache_salt)))
+        if m.host_hit_length == 0:
+            return torch.empty((0,), dtype=torch.int64)
+        kv_xfer, _ = self.cache.tree_core.build_load_back_spec(m.last_host_node)
+        return kv_xfer.host_indices
+
+    def load_back(self, tokens, extra_key: Optional[str] = None, cache_salt: Optional[str] = None,
+                  timeout: float = 30.0) -> torch.Tensor:
+        """Load the host-only prefix of *tokens* back into the device pool (host -> device,
+        as SGLang's kit does it: UnifiedRadixCache.load_back of the deepest host node,
+        ready_to_load_host_cache, then loading_check once the copy's ack is done) and
+        return the device slots of the sequence's whole cached prefix."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        key = self.radix_key(tokens, extra_key, cache_salt)
+        m = self.cache.match_prefix(MatchPrefixParams(key=key))
+        if m.host_hit_length:
+            if not self.cache.load_back(m.last_host_node):
+                raise MemoryError("load_back refused (device pool full?)")
+            self.cache.ready_to_load_host_cache()
+            for ack in list(self.controller.ack_load_queue):
+                ack.finish_event.synchronize()
+            _poll(lambda: not self.cache.ongoing_load_back, timeout, "HiCache load-back",
+                  self.cache.loading_check)
+            m = self.cache.match_prefix(MatchPrefixParams(key=key))
+        return self.cache.path_device_indices(m.last_device_node)
+
+    # -- host pool bytes ----------------------------------------------------
+    def host_pages(self, host_indices: torch.Tensor) -> list[torch.Tensor]:
+        """The host pool page of every page_size run of *host_indices*, as SGLang hands a
+        page to storage (MHATokenToKVPoolHost.get_data_page: for page_first_direct,
+        kv_buffer[:, p] of shape (2, n_layers, page_size, n_heads, head_dim))."""
+        ps = self.page_size
+        return [self.host_pool.get_data_page(int(host_indices[i]), flat=False)
+                for i in range(0, len(host_indices), ps)]
+
+    def host_page_bytes(self, host_indices: torch.Tensor) -> list[bytes]:
+        """The bytes of each page of :meth:`host_pages` (K then V, each
+        [n_layers, page_size, n_heads, head_dim], C order: pffs contract §1)."""
+        return [_tensor_bytes(page) for page in self.host_pages(host_indices)]
+
+    def page_keys(self, tokens, extra_key: Optional[str] = None,
+                  cache_salt: Optional[str] = None) -> list[str]:
+        """SGLang's storage key of every full page of *tokens* (mem_cache/utils.py
+        get_storage_hash_str: the chain seeded by the request's namespace)."""
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+        key = self.radix_key(tokens, extra_key, cache_salt).page_aligned(self.page_size)
+        return list(get_storage_hash_str(key, None, page_size=self.page_size)) if len(key) else []
+
+    def close(self) -> None:
+        """Stop the controller's storage threads and release the host pool."""
+        if self._closed:
+            return
+        self._closed = True
+        import atexit
+        atexit.unregister(self.cache.shutdown)
+        if self.controller.enable_storage:
+            self.controller._stop_storage_threads()
+        self.cache.release_host_resources()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _record_storage_writes(hc: HiCache) -> None:
+    """Keep each host -> L3 write the backup thread runs (per-instance wrapper of the
+    controller's own _page_backup_or_log) in hc.storage_writes."""
+    cc = hc.controller
+    inner = cc._page_backup_or_log
+
+    def _page_backup_or_log(operation):
+        try:
+            inner(operation)
+        finally:
+            hc.storage_writes.append(StorageWrite(list(operation.hash_value or []),
+                                                  operation.host_indices,
+                                                  operation.completed_tokens, hc.page_size))
+
+    cc._page_backup_or_log = _page_backup_or_log
+
+
+def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_dim: int = 64,
+                 dtype: torch.dtype = torch.bfloat16, layout: str = "page_first_direct",
+                 storage_backend: Optional[str] = "file", storage_dir: Optional[str] = None,
+                 backend_extra_config: Optional[dict] = None, device_tokens: int = 1024,
+                 host_tokens: Optional[int] = None, prefetch_threshold: Optional[int] = None,
+                 write_policy: str = "write_through", tree_core: Optional[str] = None,
+                 model_path: str = "dummy") -> HiCache:
+    """Build SGLang's HiCache stack on the CPU, the way its unit-test kit does
+    (fixtures.build_fixture + mixins._init_hicache) with the production controller.
+
+    - device: ``MHATokenToKVPool`` (*device_tokens* slots, on "cpu"), its
+      ``PagedTokenToKVPoolAllocator`` and a ``ReqToTokenPool``;
+    - ``UnifiedRadixCache`` with the FULL component, then ``init_hicache``: the host
+      pool (``MHATokenToKVPoolHost``, *layout*, *host_tokens* slots, default twice the
+      device pool) in a host pool group, and the ``HybridCacheController`` with io
+      backend "direct", *write_policy* and the L3 backend, created by SGLang's
+      ``StorageBackendFactory`` from ``--hicache-storage-backend`` *storage_backend*
+      and ``--hicache-storage-backend-extra-config`` (JSON of *backend_extra_config*;
+      with "file", *storage_dir* goes in as its "file_storage_path");
+    - *prefetch_threshold* (tokens, default one page: a prefetch of a shorter prefix is
+      declined) goes in the extra config, as SGLang reads it from there;
+    - *tree_core*: "python" or "rust" (SGLang's default, which falls back to python
+      where the Rust core lacks a feature), the radix tree's core.
+
+    The storage backend may be None (host pool only)."""
+    install()
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    if device_tokens % page_size:
+        raise ValueError("device_tokens must be a whole number of pages")
+    host_tokens = 2 * device_tokens if host_tokens is None else host_tokens
+    extra = dict(backend_extra_config or {})
+    extra.setdefault("prefetch_threshold", page_size if prefetch_threshold is None else prefetch_threshold)
+    if storage_backend == "file":
+        if storage_dir is None:
+            raise ValueError('storage_backend="file" needs a storage_dir')
+        if os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"):
+            raise RuntimeError("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR is set: HiCacheFile "
+                               "would use it instead of storage_dir")
+        extra["file_storage_path"] = str(storage_dir)
+    server_args = ServerArgs(
+        model_path=model_path,
+        page_size=page_size,
+        hicache_ratio=host_tokens / device_tokens,
+        hicache_io_backend="direct",
+        hicache_mem_layout=layout,
+        hicache_write_policy=write_policy,
+        hicache_storage_backend=storage_backend,
+        hicache_storage_backend_extra_config=json.dumps(extra) if storage_backend else None,
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_host_memory_mode="cache",
+    )
+    set_global_server_args_for_scheduler(server_args)
+
+    req_to_token_pool = ReqToTokenPool(size=8, max_context_len=device_tokens, device="cpu",
+                                       enable_memory_saver=False)
+    kv_pool = MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=n_heads,
+                               head_dim=head_dim, layer_num=n_layers, device="cpu",
+                               enable_memory_saver=False)
+    allocator = PagedTokenToKVPoolAllocator(size=device_tokens, page_size=page_size, dtype=dtype,
+                                            device="cpu", kvcache=kv_pool, need_sort=False)
+    params = CacheInitParams(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
+                             page_size=page_size, disable=False, tree_components=(ComponentType.FULL,),
+                             tree_core_backend=tree_core)
+    cache = UnifiedRadixCache(params=params)
+    cache.init_hicache(server_args, params)
+    cc = cache.cache_controller
+    hc = HiCache(server_args=server_args, req_to_token_pool=req_to_token_pool, kv_pool=kv_pool,
+                 allocator=allocator, cache=cache, controller=cc,
+                 host_pool=cc.mem_pool_host.anchor_entry.host_pool, storage=cc.storage_backend,
+                 page_size=page_size)
+    if cc.enable_storage:
+        # As SGLang's kit does: the controller leaves half the host pool to write-back
+        # and declines a prefetch past the rest; a test may prefetch a whole host pool.
+        cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
+        _record_storage_writes(hc)
+    return hc
+
+
+def random_kv(hc: HiCache, n_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V for *n_tokens* tokens: (n_layers, n_tokens, n_heads, head_dim) each,
+    in the pool's dtype."""
+    g = torch.Generator().manual_seed(seed)
+    pool = hc.kv_pool
+    shape = (pool.layer_num, n_tokens, pool.head_num, pool.head_dim)
+    return (torch.randn(shape, generator=g).to(pool.dtype), torch.randn(shape, generator=g).to(pool.dtype))
+
+
+def contract_page_bytes(k: torch.Tensor, v: torch.Tensor, page_size: int) -> list[bytes]:
+    """pffs contract §1 page bytes of K/V (n_layers, n_tokens, n_heads, head_dim): per full
+    page, K[:, page] then V[:, page], C order."""
+    return [_tensor_bytes(k[:, s:s + page_size]) + _tensor_bytes(v[:, s:s + page_size])
+            for s in range(0, k.shape[1] - page_size + 1, page_size)]
+
+
+# ---------------------------------------------------------------------------
+# A dynamic L3 backend that records what the controller asks of it.
+# ---------------------------------------------------------------------------
+
+def _recording_storage_class():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    class RecordingStorage(HiCacheStorage):
+        """An in-memory L3 backend for ``--hicache-storage-backend dynamic`` with
+        ``interface_v1``, recording every call.  Extra config: {"backend_name": ...,
+        "module_path": "sglang_cpu", "class_name": "RecordingStorage", "interface_v1": 1,
+        "store": NAME}; instances with the same store share their pages (a fresh cache
+        sees what an earlier one wrote)."""
+
+        stores: dict[str, dict[str, bytes]] = {}
+
+        def __init__(self, storage_config, kwargs):
+            self.storage_config = storage_config
+            self.init_kwargs = kwargs
+            self.calls: list[tuple[str, dict]] = []
+            extra = storage_config.extra_config or {}
+            self.pages = self.stores.setdefault(str(extra.get("store", "default")), {})
+            self.calls.append(("__init__", {"storage_config": storage_config, "kwargs": kwargs}))
+
+        def _record(self, name, **args):
+            self.calls.append((name, args))
+
+        def register_mem_pool_host(self, mem_pool_host):
+            self._record("register_mem_pool_host", mem_pool_host=mem_pool_host)
+            super().register_mem_pool_host(mem_pool_host)
+
+        def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+            self._record("register_mem_host_pool_v2", host_pool=host_pool, host_pool_name=host_pool_name)
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+        def on_host_pools_registered(self):
+            self._record("on_host_pools_registered")
+
+        def batch_exists(self, keys, extra_info=None):
+            n = 0
+            while n < len(keys) and keys[n] in self.pages:
+                n += 1
+            self._record("batch_exists", keys=list(keys), extra_info=extra_info, result=n)
+            return n
+
+        def batch_set_v1(self, keys, host_indices, extra_info=None):
+            ps = self.mem_pool_host.page_size
+            out = []
+            for i, key in enumerate(keys):
+                page = self.mem_pool_host.get_data_page(int(host_indices[i * ps]), flat=True)
+                self.pages[key] = _tensor_bytes(page)
+                out.append(True)
+            self._record("batch_set_v1", keys=list(keys), host_indices=host_indices.clone(),
+                         extra_info=extra_info, result=out)
+            return out
+
+        def batch_get_v1(self, keys, host_indices, extra_info=None):
+            ps = self.mem_pool_host.page_size
+            out = []
+            for i, key in enumerate(keys):
+                data = self.pages.get(key)
+                if data is None:
+                    out.append(False)
+                    continue
+                flat = torch.frombuffer(bytearray(data), dtype=self.mem_pool_host.dtype)
+                self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * ps]), flat)
+                out.append(True)
+            self._record("batch_get_v1", keys=list(keys), host_indices=host_indices.clone(),
+                         extra_info=extra_info, result=out)
+            return out
+
+        # The legacy interface (without interface_v1); abstract in HiCacheStorage.
+        def get(self, key, target_location=None, target_sizes=None):
+            raise NotImplementedError("RecordingStorage speaks interface_v1")
+
+        def batch_get(self, keys, target_locations=None, target_sizes=None):
+            raise NotImplementedError("RecordingStorage speaks interface_v1")
+
+        def set(self, key, value=None, target_location=None, target_sizes=None):
+            raise NotImplementedError("RecordingStorage speaks interface_v1")
+
+        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+            raise NotImplementedError("RecordingStorage speaks interface_v1")
+
+        def exists(self, key):
+            return key in self.pages
+
+    return RecordingStorage
+
+
+def __getattr__(name: str):
+    # RecordingStorage subclasses SGLang's HiCacheStorage: built on first use, after
+    # install(), so that importing this module stays cheap.
+    if name == "RecordingStorage":
+        install()
+        cls = _recording_storage_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

@@ -1,0 +1,199 @@
+"""Level t4, engines: SGLang 0.5.23's real HiCache code (radix cache, host KV pool, the
+cache controller's write-through to L3 and prefetch back, its storage backend factory)
+with PffsHiCacheStorage as the L3 tier, in a real pffs mount.
+
+The workarounds a machine without an accelerator needs live in tests/sglang_cpu.py
+(test code only).  Pages SGLang writes through land as SPEC §1 page bytes under their
+token chain keys; a fresh cache prefetches them back byte for byte; a session vLLM's
+real engine saved is hit by SGLang for a prompt starting with its tokens; a named
+session is made of SGLang's pages (pffs from-tokens), forks and checks clean; three
+threads call at once; a flipped blob is a miss; the key-only cache stays under its
+limit and never drops a session's pages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+import sglang_cpu  # (its install(), on the first cache built, imports SGLang: setup.sh installs it)
+import torch
+from mountutil import pffs
+
+from pffs import manifest as mf
+from pffs.client import chainkeys as ck
+from pffs.client.prefix_lookup import longest_prefix
+from pffs.store.storedir import StoreDir
+from pffs.types import digest_of
+
+pytestmark = pytest.mark.timeout(600)
+
+CFG = "c0" * 32       # the model identity's config_sha256 (no model folder: SGLang's "dummy")
+
+
+def backend(mnt, **more) -> dict:
+    return {"backend_name": "pffs", "module_path": "engine_bridge.sglang",
+            "class_name": "PffsHiCacheStorage", "interface_v1": 1, "root": str(mnt.path),
+            "config_sha256": CFG, **more}
+
+
+def hicache(mnt, page_size=16, **kw):
+    return sglang_cpu.make_hicache(page_size=page_size, n_layers=2, n_heads=4, head_dim=64,
+                                   dtype=torch.bfloat16, storage_backend="dynamic",
+                                   backend_extra_config=backend(mnt, **kw.pop("extra", {})), **kw)
+
+
+def digest(b: bytes) -> str:
+    return str(digest_of(b))
+
+
+def test_pages_written_through_are_contract_pages_under_chain_keys_and_come_back(mount_factory, tmp_path):
+    mnt = mount_factory()
+    tokens = list(range(1000, 1064))                       # 4 pages of 16
+    with hicache(mnt) as hc:
+        assert type(hc.storage).__name__ == "PffsHiCacheStorage"
+        k, v = sglang_cpu.random_kv(hc, len(tokens), seed=3)
+        hc.insert(tokens, k, v)
+        writes = hc.wait_storage_writes()
+        assert writes and all(w.complete for w in writes)
+        space = hc.storage.space
+        pages = sglang_cpu.contract_page_bytes(k, v, 16)
+        keys = ck.chain_keys(tokens, 16)
+        assert hc.page_keys(tokens) == keys                 # SGLang's own keys are pffs's
+        assert longest_prefix(mnt.path, space, keys) == [digest(p) for p in pages]
+        blobs = hc.storage.blobs
+        assert [blobs.get(digest(p)) for p in pages] == pages
+    template = mnt.path / ".hicache" / f"{space}.json"
+    assert json.loads(template.read_bytes())["model"] == {"config_sha256": CFG}
+
+    with hicache(mnt) as fresh:                             # a new cache, the same store
+        idx = fresh.prefetch(tokens)
+        assert fresh.host_page_bytes(idx) == pages
+        slots = fresh.load_back(tokens)
+        dk, dv = fresh.device_kv(slots)
+        assert torch.equal(dk, k) and torch.equal(dv, v)
+
+    # A named session of SGLang's pages: found by tokens, forked, checked.
+    (tmp_path / "t.json").write_text(json.dumps(tokens + [5, 6, 7]))
+    r = pffs("from-tokens", mnt.path / "chat", "--tokens", tmp_path / "t.json", "--like", template)
+    assert "4 pages (64 tokens)" in r.stdout
+    subprocess.run(["cp", "-r", str(mnt.path / "chat"), str(mnt.path / "chat-fork")], check=True)
+    got = [(mnt.path / "chat-fork" / "pages" / n).read_bytes()
+           for n in sorted(os.listdir(mnt.path / "chat-fork" / "pages"))]
+    assert got == pages
+    assert json.loads(pffs("tokens", mnt.path / "chat-fork").stdout) == tokens
+    mnt.stop()
+    r = pffs("check", "--store", mnt.store, "--read-data", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_session_saved_by_vllm_is_a_hit_for_sglang_by_its_tokens(mount_factory, tmp_path):
+    """vLLM's real engine saves a request (random Llama, bf16, pages of 32); SGLang, told
+    the same model (its folder: the config's sha256, as vLLM's connector computes it),
+    prefetches the session's full pages for a prompt starting with its tokens: the host
+    pool holds the session's page bytes."""
+    from transformers import AutoConfig
+    from vllm_real import VllmEngine
+
+    from engine_bridge.core.bridge import hf_config_sha256
+    from engine_bridge.sglang.hicache import model_identity
+
+    mnt = mount_factory()
+    prompt = [(i * 37 + 11) % 997 for i in range(100)]
+    with VllmEngine(tmp_path, mnt.path) as e:
+        s = e.one(prompt, {"pffs_save": "from-vllm"}, max_tokens=8)
+        r = pffs("wait", mnt.path / "from-vllm", "--timeout", "120", check=False)
+        assert r.returncode == 0, r.stderr
+    model = tmp_path.parent / "random-llama-h4"            # (tests/vllm_real.py's model folder)
+    identity = model_identity(str(model), {})
+    assert identity == {"config_sha256": hf_config_sha256(AutoConfig.from_pretrained(model))}
+    session = json.loads((mnt.path / "from-vllm" / "manifest.json").read_bytes())
+    q = prompt + s["tokens"][:7] + [5, 6]                  # 3 full pages the session holds
+    with hicache(mnt, page_size=32, extra={"config_sha256": identity["config_sha256"]}) as hc:
+        assert hc.storage.space == ck.manifest_namespace(session)
+        idx = hc.prefetch(q)
+        got = hc.host_page_bytes(idx)
+        assert [digest(b) for b in got] == session["pages"][:3]
+        assert got == [(mnt.path / "from-vllm" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)]
+
+
+def cached_rows(mnt) -> tuple[int, int]:
+    import sqlite3
+    c = sqlite3.connect(f"file:{mnt.store / 'namespace.db'}?mode=ro", uri=True)
+    try:
+        return c.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM cached_keys").fetchone()
+    finally:
+        c.close()
+
+
+SEQS = [list(range(10_000 * (i + 1), 10_000 * (i + 1) + 48)) for i in range(4)]   # 3 pages each
+PAGE = 2 * 2 * 16 * 4 * 64 * 2                              # a page's bytes here
+
+
+def test_three_threads_at_once_and_a_flipped_blob_is_a_miss(mount_factory):
+    mnt = mount_factory()
+    with hicache(mnt) as hc:
+        kvs = {i: sglang_cpu.random_kv(hc, 48, seed=10 + i) for i in (1, 2, 3)}
+        for i in (1, 2, 3):
+            hc.insert(SEQS[i], *kvs[i])
+        hc.wait_storage_writes()
+    with hicache(mnt) as hc:
+        st = hc.storage
+        host = {i: hc.prefetch(SEQS[i]) for i in (1, 2, 3)}
+        want = {i: sglang_cpu.contract_page_bytes(*kvs[i], 16) for i in (1, 2, 3)}
+        assert all(hc.host_page_bytes(host[i]) == want[i] for i in (1, 2, 3))
+        errors: list[str] = []
+
+        def work(i: int) -> None:
+            keys = ck.chain_keys(SEQS[i], 16)
+            for _ in range(15):
+                if st.batch_set_v1(keys, host[i]) != [True] * 3:
+                    errors.append(f"set {i}")
+                if st.batch_exists(keys) != 3:
+                    errors.append(f"exists {i}")
+                if st.batch_get_v1(keys, host[i]) != [True] * 3:
+                    errors.append(f"get {i}")
+        threads = [threading.Thread(target=work, args=(i,)) for i in (1, 2, 3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == [] and not any(t.is_alive() for t in threads)
+        assert all(hc.host_page_bytes(host[i]) == want[i] for i in (1, 2, 3))
+
+        # A flipped byte in a stored blob: a miss, and the host page is left as it was.
+        keys = ck.chain_keys(SEQS[2], 16)
+        first = longest_prefix(mnt.path, st.space, keys, touch=False)[0]
+        path = StoreDir(mnt.store).blobs.path(first)
+        data = bytearray(path.read_bytes())
+        data[-7] ^= 0x40
+        path.write_bytes(bytes(data))
+        assert st.batch_get_v1(keys, host[2]) == [False] * 3
+        assert hc.host_page_bytes(host[2]) == want[2]
+        assert st.batch_get_v1(ck.chain_keys(SEQS[1], 16), host[1]) == [True] * 3
+
+
+def test_key_only_pages_stay_under_the_limit_and_a_sessions_pages_stay(mount_factory, tmp_path):
+    mnt = mount_factory(opts=[f"prefix_cache_size={5 * PAGE}"])
+    with hicache(mnt) as hc:
+        st = hc.storage
+        kv0 = sglang_cpu.random_kv(hc, 48, seed=10)
+        hc.insert(SEQS[0], *kv0)
+        hc.wait_storage_writes()
+        (tmp_path / "s0.json").write_text(json.dumps(SEQS[0]))
+        pffs("from-tokens", mnt.path / "kept", "--tokens", tmp_path / "s0.json", "--like",
+             mnt.path / ".hicache" / f"{st.space}.json")
+        for i in (1, 2, 3):
+            hc.insert(SEQS[i], *sglang_cpu.random_kv(hc, 48, seed=10 + i))
+            hc.wait_storage_writes()
+        n, total = cached_rows(mnt)
+        assert total <= 5 * PAGE and n == 5
+        assert st.batch_exists(ck.chain_keys(SEQS[0], 16)) == 3
+        assert st.batch_exists(ck.chain_keys(SEQS[3], 16)) == 3       # the newest stay
+        assert st.batch_exists(ck.chain_keys(SEQS[1], 16)) == 0       # the oldest went
+    pffs("gc", "--store", mnt.store, "--grace", "0")
+    got = [(mnt.path / "kept" / "pages" / n).read_bytes() for n in sorted(os.listdir(mnt.path / "kept" / "pages"))]
+    assert got == sglang_cpu.contract_page_bytes(*kv0, 16)
