@@ -197,3 +197,27 @@ def test_key_only_pages_stay_under_the_limit_and_a_sessions_pages_stay(mount_fac
     pffs("gc", "--store", mnt.store, "--grace", "0")
     got = [(mnt.path / "kept" / "pages" / n).read_bytes() for n in sorted(os.listdir(mnt.path / "kept" / "pages"))]
     assert got == sglang_cpu.contract_page_bytes(*kv0, 16)
+
+
+@pytest.mark.parametrize("layout", ["layer_first"])
+def test_other_host_layouts_store_and_load_the_same_page_bytes(mount_factory, layout):
+    """SGLang's layer_first host pool: the stored blobs are the same SPEC §1 pages
+    (converted on the way), and a fresh page_first_direct cache loads them.  (page_first
+    needs SGLang's kernel io backend, which has no CPU build: its conversion runs on a
+    GPU host only.)"""
+    mnt = mount_factory()
+    tokens = list(range(3000, 3048))
+    with hicache(mnt, layout=layout) as hc:
+        k, v = sglang_cpu.random_kv(hc, len(tokens), seed=5)
+        hc.insert(tokens, k, v)
+        hc.wait_storage_writes()
+        pages = sglang_cpu.contract_page_bytes(k, v, 16)
+        assert longest_prefix(mnt.path, hc.storage.space, ck.chain_keys(tokens, 16)) == \
+            [digest(p) for p in pages]
+    with hicache(mnt) as fresh:
+        assert fresh.host_page_bytes(fresh.prefetch(tokens)) == pages
+    with hicache(mnt, layout=layout) as fresh:
+        slots = fresh.load_back(tokens) if len(fresh.prefetch(tokens)) else None
+        assert slots is not None
+        dk, dv = fresh.device_kv(slots)
+        assert torch.equal(dk, k) and torch.equal(dv, v)
