@@ -194,6 +194,13 @@ def test_key_only_pages_stay_under_the_limit_and_a_sessions_pages_stay(mount_fac
         assert st.batch_exists(ck.chain_keys(SEQS[0], 16)) == 3
         assert st.batch_exists(ck.chain_keys(SEQS[3], 16)) == 3       # the newest stay
         assert st.batch_exists(ck.chain_keys(SEQS[1], 16)) == 0       # the oldest went
+    # A fresh cache computes the session's tokens again and writes them through: the
+    # store holds them (the session), so no key-only row is added and none evicted.
+    with hicache(mnt) as hc:
+        hc.insert(SEQS[0], *kv0)
+        hc.wait_storage_writes()
+        assert cached_rows(mnt)[0] == 5
+        assert hc.storage.batch_exists(ck.chain_keys(SEQS[3], 16)) == 3
     pffs("gc", "--store", mnt.store, "--grace", "0")
     got = [(mnt.path / "kept" / "pages" / n).read_bytes() for n in sorted(os.listdir(mnt.path / "kept" / "pages"))]
     assert got == sglang_cpu.contract_page_bytes(*kv0, 16)

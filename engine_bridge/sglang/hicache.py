@@ -288,6 +288,16 @@ class PffsHiCacheStorage(HiCacheStorage):
         if not all(is_key(k) for k in keys):
             log.warning("pffs HiCache storage: %d keys are not 64 hex digits: not stored", len(keys))
             return [False] * len(keys)
+        try:
+            # Pages the store holds by these keys already (a session's, or stored
+            # before) are not stored again: no key-only row for a session's page.
+            held = len(self._found(keys, touch=False))
+        except PffsError:
+            held = 0
+        if held:
+            rest = self.batch_set_v1(keys[held:], host_indices.reshape(-1)[held * self.page_size:]) \
+                if held < len(keys) else []
+            return [True] * held + rest
         gc = gc_lock(self.access.root) if self.access.bucket is None else None
         pins = gc.pin() if gc is not None else None
         try:
