@@ -90,6 +90,7 @@ def main() -> int:
                 st = PffsHiCacheStorage(cfg, {})
                 st.register_mem_pool_host(host)
                 idx = torch.arange(tokens_n, dtype=torch.int64)
+                os.sync()       # (each timing starts with no write-back of the one before)
                 t = time.perf_counter()
                 for k in range(0, pages, BATCH):
                     ok = st.batch_set_v1(keys[k:k + BATCH], idx[k * T:(k + BATCH) * T])
@@ -105,6 +106,7 @@ def main() -> int:
                 st.close()
 
                 bridge = Bridge(pool, None, io_workers=a.threads)
+                os.sync()
                 t = time.perf_counter()
                 m = bridge.page_out([SeqBlocks("b", list(range(pages)), tokens_n, tokens)], mb / "s")
                 rows["direct page-out"].append(time.perf_counter() - t)

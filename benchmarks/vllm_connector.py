@@ -156,6 +156,7 @@ def main() -> int:
             prompt = torch.randint(1, 990, (tokens,), generator=g).tolist()
             prompts.append(prompt)
             name = f"c{rep}"
+            os.sync()       # (each timing starts with no write-back of the one before)
             t = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompt}], sp(1, {"pffs_save": name}), use_tqdm=False)
             prefill = time.perf_counter() - t
@@ -166,6 +167,7 @@ def main() -> int:
             nbytes = len(job.block_ids) * pool.page_bytes
             rows["save"].append((nbytes, s))
             seq = SeqBlocks(job.req_id, job.block_ids, job.n_tokens, job.token_ids)
+            os.sync()
             t = time.perf_counter()
             direct.page_out([seq], mb / name, include_token_ids=conn.store_tokens)
             rows["direct save"].append((nbytes, time.perf_counter() - t))
