@@ -228,3 +228,36 @@ def test_other_host_layouts_store_and_load_the_same_page_bytes(mount_factory, la
         assert slots is not None
         dk, dv = fresh.device_kv(slots)
         assert torch.equal(dk, k) and torch.equal(dv, v)
+
+
+def test_a_tensor_parallel_rank_reads_its_heads_of_whole_pages_and_stores_nothing(mount_factory):
+    """At tensor parallel 2, rank 1's host pool (2 of 4 heads) gets heads 2 and 3 of the
+    whole-head pages a 4-head SGLang stored; its own writes (a slice) are refused."""
+    sglang_cpu.install()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from engine_bridge.sglang import PffsHiCacheStorage
+
+    mnt = mount_factory()
+    tokens = list(range(5000, 5032))
+    with hicache(mnt) as hc:
+        k, v = sglang_cpu.random_kv(hc, len(tokens), seed=9)
+        hc.insert(tokens, k, v)
+        hc.wait_storage_writes()
+        space = hc.storage.space
+    with sglang_cpu.make_hicache(page_size=16, n_layers=2, n_heads=2, head_dim=64, dtype=torch.bfloat16,
+                                 storage_backend=None) as rank1:
+        cfg = HiCacheStorageConfig(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                   attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                                   is_page_first_layout=False, model_name=None,
+                                   extra_config=backend(mnt))
+        st = PffsHiCacheStorage(cfg, {})
+        st.register_mem_pool_host(rank1.host_pool)
+        assert st.space == space                            # whole-head pages: the same namespace
+        idx = torch.arange(32, dtype=torch.int64)
+        keys = ck.chain_keys(tokens, 16)
+        assert st.batch_get_v1(keys, idx) == [True, True]
+        half = sglang_cpu.contract_page_bytes(k[:, :, 2:].contiguous(), v[:, :, 2:].contiguous(), 16)
+        assert rank1.host_page_bytes(idx) == half
+        assert st.batch_set_v1(ck.chain_keys(list(range(7, 39)), 16), idx) == [False, False]
+        st.close()
