@@ -261,3 +261,28 @@ def test_a_tensor_parallel_rank_reads_its_heads_of_whole_pages_and_stores_nothin
         assert rank1.host_page_bytes(idx) == half
         assert st.batch_set_v1(ck.chain_keys(list(range(7, 39)), 16), idx) == [False, False]
         st.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+def test_the_legacy_interface_stores_and_loads_the_same_pages(mount_factory, layout):
+    """Without interface_v1 SGLang hands the backend flat page copies (batch_set) and
+    dummy pages to fill (batch_get): the same SPEC §1 blobs under the same keys, which a
+    zero-copy cache loads too."""
+    mnt = mount_factory()
+    tokens = list(range(4000, 4048))
+    with hicache(mnt, layout=layout, extra={"interface_v1": 0}) as hc:
+        assert hc.controller.page_set_func.__name__ == "_generic_page_set"
+        k, v = sglang_cpu.random_kv(hc, len(tokens), seed=6)
+        hc.insert(tokens, k, v)
+        hc.wait_storage_writes()
+        pages = sglang_cpu.contract_page_bytes(k, v, 16)
+        assert longest_prefix(mnt.path, hc.storage.space, ck.chain_keys(tokens, 16)) == \
+            [digest(p) for p in pages]
+    with hicache(mnt, layout=layout, extra={"interface_v1": 0}) as fresh:
+        assert fresh.controller.page_get_func.__name__ == "_generic_page_get"
+        slots = fresh.load_back(tokens) if len(fresh.prefetch(tokens)) else None
+        assert slots is not None
+        dk, dv = fresh.device_kv(slots)
+        assert torch.equal(dk, k) and torch.equal(dv, v)
+    with hicache(mnt) as v1:
+        assert v1.host_page_bytes(v1.prefetch(tokens)) == pages

@@ -28,6 +28,10 @@ Attach it with SGLang's dynamic backend (``docs/engines.md``)::
         "module_path": "engine_bridge.sglang", "class_name": "PffsHiCacheStorage",
         "interface_v1": 1, "root": "/mnt/kvcache"}'
 
+``interface_v1`` 1 has SGLang read and write pages in place in its host
+pool; without it SGLang's legacy ``batch_get``/``batch_set`` hand over a
+copy of each page (the same blobs under the same keys).
+
 Extra config: ``root`` (a pffs mount, required), ``config_sha256`` (the
 model's identity when SGLang's model path is not a local Hugging Face
 folder), ``io_threads`` (pages encoded, decoded and hashed at once; default
@@ -45,7 +49,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -92,14 +96,13 @@ def model_identity(model_path: str | None, extra: dict[str, Any]) -> dict[str, A
 
 
 class PffsHiCacheStorage(HiCacheStorage):
-    """SGLang HiCache L3 storage in a pffs mount (``interface_v1``)."""
+    """SGLang HiCache L3 storage in a pffs mount (``interface_v1``, zero-copy; the legacy
+    ``batch_get``/``batch_set`` of flat page copies without it)."""
 
     def __init__(self, storage_config: Any, kwargs: Any = None):
         extra = dict(storage_config.extra_config or {})
         if not extra.get("root"):
             raise ValueError("pffs HiCache storage needs extra config 'root': a pffs mount")
-        if not extra.get("interface_v1"):
-            raise ValueError("pffs HiCache storage needs extra config \"interface_v1\": 1")
         if storage_config.is_mla_model:
             raise ValueError("pffs HiCache storage: MLA models are not supported "
                              "(a pffs page holds K and V of every head)")
@@ -186,6 +189,14 @@ class PffsHiCacheStorage(HiCacheStorage):
             return buf[:, index:index + t].permute(0, 2, 1, 3, 4)
         return buf[:, :, index:index + t]
 
+    def _flat_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat page as SGLang's legacy interface hands it (``get_data_page`` /
+        ``set_from_flat_data_page`` order of the host layout), as [2, layers, tokens, heads, dim]."""
+        t, n, h, d = self.page_size, self.n_layers, self.heads, self.head_dim
+        if self.mem_pool_host.layout == "page_first":
+            return flat.view(2, t, n, h, d).permute(0, 2, 1, 3, 4)
+        return flat.view(2, n, t, h, d)
+
     def _staging(self) -> torch.Tensor:
         """This thread's page buffer (whole heads)."""
         st = getattr(self._local, "staging", None)
@@ -231,7 +242,9 @@ class PffsHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def _read_page(self, d: Digest, start: int) -> bool:
+    def _read_page(self, d: Digest, dest: torch.Tensor) -> bool:
+        """Blob *d* into the page view *dest* (this rank's heads); False, *dest* untouched,
+        for a blob missing, damaged or of another size."""
         staging = self._staging()
         out = staging.numpy().data
         try:
@@ -247,16 +260,16 @@ class PffsHiCacheStorage(HiCacheStorage):
         page = self._typed(staging)
         if self.tp_size > 1:
             page = page[:, :, :, self.first_head:self.first_head + self.heads]
-        self._view(start).copy_(page)
+        dest.copy_(page)
         return True
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:
+    def _get(self, keys: Sequence[str], views: Callable[[int], list[torch.Tensor]]) -> list[bool]:
+        """The leading run of *keys* the store holds, read into ``views(n)`` (the first n
+        pages' views): True for each page read, up to the first miss."""
         ok = [False] * len(keys)
         try:
             digests = self._found(keys, touch=True)
-            starts = self._starts(keys, host_indices, self.page_size)
-            got = list(self._threads.map(self._read_page, digests, starts[:len(digests)]))
+            got = list(self._threads.map(self._read_page, digests, views(len(digests))))
         except (PffsError, ValueError) as e:
             log.warning("pffs HiCache storage: get of %d pages failed: %s", len(keys), e)
             return ok
@@ -266,18 +279,23 @@ class PffsHiCacheStorage(HiCacheStorage):
             ok[i] = True
         return ok
 
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        return self._get(keys, lambda n: [self._view(s) for s in
+                                          self._starts(keys, host_indices, self.page_size)[:n]])
+
     # -- writes -------------------------------------------------------------------
 
-    def _put_page(self, start: int, batch: Any) -> Digest:
+    def _put_page(self, src: torch.Tensor, batch: Any) -> Digest:
         staging = self._staging()
-        self._typed(staging).copy_(self._view(start))
+        self._typed(staging).copy_(src)
         data = staging.numpy().data
         d = digest_of(data)
         self.blobs.put(data, d, batch=batch)
         return d
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:
+    def _set(self, keys: Sequence[str], views: Callable[[], list[torch.Tensor]]) -> list[bool]:
+        """Store the pages ``views()`` gives (one a key) and keep them by *keys*."""
         if self.tp_size > 1:
             if not self._said_slices:
                 self._said_slices = True
@@ -294,18 +312,16 @@ class PffsHiCacheStorage(HiCacheStorage):
             held = len(self._found(keys, touch=False))
         except PffsError:
             held = 0
-        if held:
-            rest = self.batch_set_v1(keys[held:], host_indices.reshape(-1)[held * self.page_size:]) \
-                if held < len(keys) else []
-            return [True] * held + rest
+        if held == len(keys):
+            return [True] * len(keys)
         gc = gc_lock(self.access.root) if self.access.bucket is None else None
         pins = gc.pin() if gc is not None else None
         try:
-            starts = self._starts(keys, host_indices, self.page_size)
+            rest = views()[held:]
             batch = self.blobs.batch()
             hold = gc.hold_shared() if gc is not None else None
             try:
-                digests = list(self._threads.map(lambda s: self._put_page(s, batch), starts))
+                digests = list(self._threads.map(lambda v: self._put_page(v, batch), rest))
                 if pins is not None:
                     pins.add(digests)
             finally:
@@ -313,7 +329,7 @@ class PffsHiCacheStorage(HiCacheStorage):
                     hold.release()
             if self.access.bucket is not None:
                 batch.sync()        # (every upload in the bucket before the mount looks)
-            cache_blobs(self.mount, self.space, list(zip(keys, digests)))
+            cache_blobs(self.mount, self.space, list(zip(keys[held:], digests)))
             return [True] * len(keys)
         except (PffsError, OSError, ValueError) as e:
             log.warning("pffs HiCache storage: set of %d pages failed: %s", len(keys), e)
@@ -322,20 +338,34 @@ class PffsHiCacheStorage(HiCacheStorage):
             if pins is not None:
                 pins.close()
 
-    # -- the interface before v1 (SGLang calls v1 when the config says so) ---------
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        return self._set(keys, lambda: [self._view(s) for s in
+                                        self._starts(keys, host_indices, self.page_size)])
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+    # -- the legacy interface (without interface_v1): flat page copies -------------
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
-        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+        """Each key's page into its flat target (a new one where none is given): the
+        targets of the leading hits, None for the rest."""
+        targets = list(target_locations) if target_locations is not None else \
+            [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        ok = self._get(keys, lambda n: [self._flat_view(t) for t in targets[:n]])
+        return [t if g else None for t, g in zip(targets, ok)]
 
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        raise NotImplementedError("pffs HiCache storage serves interface_v1 only")
+        pages = [v.reshape(-1) for v in values or ()]
+        if len(pages) != len(keys):
+            log.warning("pffs HiCache storage: %d pages for %d keys: not stored", len(pages), len(keys))
+            return False
+        return all(self._set(keys, lambda: [self._flat_view(p) for p in pages]))
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
 
     def clear(self) -> None:
         """Nothing: the store's pages are sessions' and the key-only cache evicts itself."""
