@@ -29,15 +29,15 @@ Usage::
     with sglang_cpu.make_hicache(**kw) as hc:
         k, v = sglang_cpu.random_kv(hc, len(tokens))   # (n_layers, n_tokens, heads, dim)
         hc.insert(tokens, k, v)        # device pool + radix cache; starts the write-through
-        hc.wait_storage_writes()       # device -> host -> L3 done (or hc.backup(tokens, k, v))
+        hc.wait_storage_writes()       # device -> host -> L3 done
     with sglang_cpu.make_hicache(**kw) as fresh:        # new host pool and controller
         host_indices = fresh.prefetch(tokens)           # L3 -> host pool
         assert fresh.host_page_bytes(host_indices) == sglang_cpu.contract_page_bytes(k, v, 16)
         device_slots = fresh.load_back(tokens)          # host -> device pool
 
 A dynamic backend: ``storage_backend="dynamic", backend_extra_config={"backend_name":
-"x", "module_path": "sglang_cpu", "class_name": "RecordingStorage", "interface_v1": 1}``
-(:class:`RecordingStorage` records the controller's calls).
+"pffs", "module_path": "engine_bridge.sglang", "class_name": "PffsHiCacheStorage",
+"interface_v1": 1, "root": MOUNT}``.
 """
 
 from __future__ import annotations
@@ -84,13 +84,7 @@ class _Anything:
         self._name = name
 
     def __getattr__(self, key: str):
-        if key.startswith("__"):
-            raise AttributeError(key)
-        if key == "driver":
-            # triton.runtime.driver.active...: "no active driver", as SGLang's fla
-            # utils expect on a machine without a GPU (they catch and fall back to cpu).
-            raise AttributeError(f"{self._name}.driver (triton stub: no driver)")
-        return _Anything(f"{self._name}.{key}")
+        return _stub_attr(self._name, key)
 
     def __call__(self, *args, **kwargs):
         # As a decorator (@triton.jit, @triton.autotune(...)(fn)): return the function.
@@ -116,11 +110,18 @@ class _Anything:
 
 class _StubModule(types.ModuleType):
     def __getattr__(self, key: str):
-        if key.startswith("__"):
-            raise AttributeError(key)
-        if key == "driver":
-            raise AttributeError(f"{self.__name__}.driver (triton stub: no driver)")
-        return _Anything(f"{self.__name__}.{key}")
+        return _stub_attr(self.__name__, key)
+
+
+def _stub_attr(owner: str, key: str) -> _Anything:
+    """Attribute *key* of stub *owner*: any name is an :class:`_Anything`, but for dunders
+    and ``driver`` (triton.runtime.driver.active...: "no active driver", as SGLang's fla
+    utils expect on a machine without a GPU: they catch it and fall back to the cpu)."""
+    if key.startswith("__"):
+        raise AttributeError(key)
+    if key == "driver":
+        raise AttributeError(f"{owner}.driver (triton stub: no driver)")
+    return _Anything(f"{owner}.{key}")
 
 
 _stubs: dict[str, _StubModule] = {}
@@ -424,11 +425,6 @@ class HiCache:
                 raise RuntimeError(f"storage writes incomplete: {bad}")
         return done
 
-    def backup(self, tokens, k=None, v=None, timeout: float = 30.0, **key_kw) -> list[StorageWrite]:
-        """insert() then wait_storage_writes(): the sequence's full pages end in L3."""
-        self.insert(tokens, k, v, **key_kw)
-        return self.wait_storage_writes(timeout)
-
     # -- prefetch -----------------------------------------------------------
     def prefetch(self, tokens, timeout: float = 30.0, rid: Optional[str] = None,
                  extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> torch.Tensor:
@@ -641,104 +637,3 @@ def contract_page_bytes(k: torch.Tensor, v: torch.Tensor, page_size: int) -> lis
     page, K[:, page] then V[:, page], C order."""
     return [_tensor_bytes(k[:, s:s + page_size]) + _tensor_bytes(v[:, s:s + page_size])
             for s in range(0, k.shape[1] - page_size + 1, page_size)]
-
-
-# ---------------------------------------------------------------------------
-# A dynamic L3 backend that records what the controller asks of it.
-# ---------------------------------------------------------------------------
-
-def _recording_storage_class():
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-
-    class RecordingStorage(HiCacheStorage):
-        """An in-memory L3 backend for ``--hicache-storage-backend dynamic`` with
-        ``interface_v1``, recording every call.  Extra config: {"backend_name": ...,
-        "module_path": "sglang_cpu", "class_name": "RecordingStorage", "interface_v1": 1,
-        "store": NAME}; instances with the same store share their pages (a fresh cache
-        sees what an earlier one wrote)."""
-
-        stores: dict[str, dict[str, bytes]] = {}
-
-        def __init__(self, storage_config, kwargs):
-            self.storage_config = storage_config
-            self.init_kwargs = kwargs
-            self.calls: list[tuple[str, dict]] = []
-            extra = storage_config.extra_config or {}
-            self.pages = self.stores.setdefault(str(extra.get("store", "default")), {})
-            self.calls.append(("__init__", {"storage_config": storage_config, "kwargs": kwargs}))
-
-        def _record(self, name, **args):
-            self.calls.append((name, args))
-
-        def register_mem_pool_host(self, mem_pool_host):
-            self._record("register_mem_pool_host", mem_pool_host=mem_pool_host)
-            super().register_mem_pool_host(mem_pool_host)
-
-        def register_mem_host_pool_v2(self, host_pool, host_pool_name):
-            self._record("register_mem_host_pool_v2", host_pool=host_pool, host_pool_name=host_pool_name)
-            super().register_mem_host_pool_v2(host_pool, host_pool_name)
-
-        def on_host_pools_registered(self):
-            self._record("on_host_pools_registered")
-
-        def batch_exists(self, keys, extra_info=None):
-            n = 0
-            while n < len(keys) and keys[n] in self.pages:
-                n += 1
-            self._record("batch_exists", keys=list(keys), extra_info=extra_info, result=n)
-            return n
-
-        def batch_set_v1(self, keys, host_indices, extra_info=None):
-            ps = self.mem_pool_host.page_size
-            out = []
-            for i, key in enumerate(keys):
-                page = self.mem_pool_host.get_data_page(int(host_indices[i * ps]), flat=True)
-                self.pages[key] = _tensor_bytes(page)
-                out.append(True)
-            self._record("batch_set_v1", keys=list(keys), host_indices=host_indices.clone(),
-                         extra_info=extra_info, result=out)
-            return out
-
-        def batch_get_v1(self, keys, host_indices, extra_info=None):
-            ps = self.mem_pool_host.page_size
-            out = []
-            for i, key in enumerate(keys):
-                data = self.pages.get(key)
-                if data is None:
-                    out.append(False)
-                    continue
-                flat = torch.frombuffer(bytearray(data), dtype=self.mem_pool_host.dtype)
-                self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * ps]), flat)
-                out.append(True)
-            self._record("batch_get_v1", keys=list(keys), host_indices=host_indices.clone(),
-                         extra_info=extra_info, result=out)
-            return out
-
-        # The legacy interface (without interface_v1); abstract in HiCacheStorage.
-        def get(self, key, target_location=None, target_sizes=None):
-            raise NotImplementedError("RecordingStorage speaks interface_v1")
-
-        def batch_get(self, keys, target_locations=None, target_sizes=None):
-            raise NotImplementedError("RecordingStorage speaks interface_v1")
-
-        def set(self, key, value=None, target_location=None, target_sizes=None):
-            raise NotImplementedError("RecordingStorage speaks interface_v1")
-
-        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
-            raise NotImplementedError("RecordingStorage speaks interface_v1")
-
-        def exists(self, key):
-            return key in self.pages
-
-    return RecordingStorage
-
-
-def __getattr__(name: str):
-    # RecordingStorage subclasses SGLang's HiCacheStorage: built on first use, after
-    # install(), so that importing this module stays cheap.
-    if name == "RecordingStorage":
-        install()
-        cls = _recording_storage_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
