@@ -426,8 +426,12 @@ class NamespaceTree(Tree):
         if len(keys) != 1 or not node.is_reg or node.digest is None or not node.size:
             log.warning("setxattr %s %s: refused: one key for a file of one page", where, name.decode())
             raise FUSEError(errno.EINVAL)
-        gone = await self.db.write(prefix_index.cache_page, space, keys[0], node.digest, node.size,
-                                   ns.now_ns(), self.prefix_cache_size)
+        await self._cache_pages(space, [(keys[0], node.digest, node.size)])
+
+    async def _cache_pages(self, space: str, rows: list[tuple[str, str, int]]) -> None:
+        """Key-only cache rows (key, blob, size) recorded, then its LRU eviction."""
+        gone = await self.db.write(prefix_index.cache_pages, space, rows, ns.now_ns(),
+                                   self.prefix_cache_size)
         if gone:
             log.info("prefix cache: %d least recently used key-only pages evicted past %d bytes",
                      gone, self.prefix_cache_size)
@@ -454,12 +458,7 @@ class NamespaceTree(Tree):
             log.warning("setxattr %s %s: refused: %d of the %d blobs named are not in the store",
                         where, PREFIX_PUT_XATTR.decode(), missing, len(set(digests)))
             raise FUSEError(errno.ENOENT)
-        rows = [(k, d, sizes[d]) for (k, _), d in zip(pairs, digests)]
-        gone = await self.db.write(prefix_index.cache_pages, space, rows, ns.now_ns(),
-                                   self.prefix_cache_size)
-        if gone:
-            log.info("prefix cache: %d least recently used key-only pages evicted past %d bytes",
-                     gone, self.prefix_cache_size)
+        await self._cache_pages(space, [(k, d, sizes[d]) for (k, _), d in zip(pairs, digests)])
 
     async def _digest(self, inode: int) -> bytes:
         """DIGEST_XATTR: the sha256 of a file's bytes, its staged ones committed first."""

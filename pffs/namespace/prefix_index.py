@@ -129,15 +129,14 @@ def cache_page(conn: sqlite3.Connection, space: str, key: str, digest: str, size
                limit: int) -> int:
     """Keep blob *digest* (of *size* bytes) under *key* in the key-only cache, used at *t*;
     then evict least recently used rows past *limit* bytes.  Returns how many went."""
-    sid = space_id(conn, space)
-    conn.execute("INSERT OR REPLACE INTO cached_keys (space, key, digest, size, used_ns)"
-                 " VALUES (?,?,?,?,?)", (sid, key, digest, size, t))
-    return evict(conn, limit)
+    return cache_pages(conn, space, [(key, digest, size)], t, limit)
 
 
 def cache_pages(conn: sqlite3.Connection, space: str, rows: Iterable[tuple[str, str, int]],
                 t: int, limit: int) -> int:
-    """:func:`cache_page` of each (key, digest, size) of *rows*, then one eviction."""
+    """Keep each blob of *rows* (key, digest, size) under its key in the key-only cache,
+    used at *t*; then evict least recently used rows past *limit* bytes.  Returns how
+    many went."""
     sid = space_id(conn, space)
     conn.executemany("INSERT OR REPLACE INTO cached_keys (space, key, digest, size, used_ns)"
                      " VALUES (?,?,?,?,?)", [(sid, k, d, n, t) for k, d, n in rows])
