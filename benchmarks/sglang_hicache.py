@@ -86,7 +86,8 @@ def main() -> int:
                 tokens = [(rep * 7919 + i * 31) % 32000 for i in range(tokens_n)]
                 keys = chain_keys(tokens, T)
                 cfg = dataclasses.replace(_config(), extra_config={"root": str(ma), "interface_v1": 1,
-                                                  "config_sha256": "be" * 32, "io_threads": a.threads})
+                                                  "config_sha256": "be" * 32, "weights_sha256": "5e" * 32,
+                                                  "io_threads": a.threads})
                 st = PffsHiCacheStorage(cfg, {})
                 st.register_mem_pool_host(host)
                 idx = torch.arange(tokens_n, dtype=torch.int64)

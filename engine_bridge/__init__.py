@@ -7,7 +7,8 @@ The package by role:
 - :mod:`.core` — the bridge itself: describing a pool (``pool``: layouts,
   dtypes, gathering and scattering blocks), bounded host staging
   (``staging``), page out / page in and what page-in checks (``bridge``), a
-  reference-counting block allocator (``allocator``)
+  model's identity (``identity``), a reference-counting block allocator
+  (``allocator``)
 - :mod:`.transport` — the ways page bytes travel, every sink and source:
   the protocols (``session_io``), folders through the mount (``folders``),
   memory (``in_memory``), finding a path's pffs mount and its store
@@ -27,7 +28,9 @@ The package by role:
 """
 
 from engine_bridge.core.allocator import RefCountingAllocator
-from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, Bridge, PageInResult, SeqBlocks, config_sha256
+from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, Bridge, PageInResult, SeqBlocks
+from engine_bridge.core.identity import (config_sha256, weights_sha256_of_folder,
+                                        weights_sha256_of_tensors)
 from engine_bridge.core.pool import (
     DEFAULT_KV,
     FLASH_ATTN,
@@ -55,6 +58,7 @@ from engine_bridge.errors import (
     PageOutError,
     Refused,
     SourceChanged,
+    Unfingerprinted,
     WrongSizePage,
 )
 from engine_bridge.transport.choose import as_sink, as_source, sink_for, source_for
@@ -66,12 +70,13 @@ from engine_bridge.transport.session_io import SessionSink, SessionSource
 from pffs.names import DIGEST_XATTR
 
 __all__ = [
-    "Bridge", "PageInResult", "SeqBlocks", "config_sha256", "SUPPORTED_LAYOUTS",
+    "Bridge", "PageInResult", "SeqBlocks", "config_sha256", "weights_sha256_of_folder",
+    "weights_sha256_of_tensors", "SUPPORTED_LAYOUTS",
     "KVPool", "KVLayout", "BlockId", "BlockAllocator", "LAYOUTS", "FLASH_ATTN", "FLASHINFER",
     "FLASHINFER_HND", "DEFAULT_KV", "dtype_name", "RefCountingAllocator",
     "SessionSink", "SessionSource", "DirSink", "DirSource", "MemorySession", "as_sink",
     "as_source", "sink_for", "source_for", "DirectSink", "DirectSource", "store_access", "DIGEST_XATTR", "Staging", "DEFAULT_STAGING_BYTES",
     "BridgeError", "PageOutError", "PageInError", "InvalidSession", "IncompleteSession",
     "MismatchError", "ModelMismatch", "PageError", "WrongSizePage", "DigestMismatch",
-    "SourceChanged", "NoFreeBlocks", "Refused", "DamagedPage",
+    "SourceChanged", "NoFreeBlocks", "Refused", "DamagedPage", "Unfingerprinted",
 ]

@@ -53,6 +53,19 @@ class ModelMismatch(MismatchError):
     """The session was written by another model; ``force=True`` overrides this only."""
 
 
+class Unfingerprinted(ModelMismatch):
+    """The session's model has no ``weights_sha256`` and the engine's has one: it is
+    loaded only when the caller trusts it (*how* says how), or with ``force``."""
+
+    def __init__(self, engine: Any, how: str = "trust_unfingerprinted=True"):
+        PageInError.__init__(self, f"model.weights_sha256 missing: the session does not say "
+                                   f"which weights wrote it, engine has {engine!r}; "
+                                   f"load it only if you trust it ({how})")
+        self.field = "model.weights_sha256"
+        self.session = None
+        self.engine = engine
+
+
 class PageError(PageInError):
     """One page file disagrees with the manifest (size or digest)."""
 

@@ -49,6 +49,7 @@ import os
 import threading
 import time
 import types
+import weakref
 from array import array
 from typing import Any, Optional
 
@@ -229,12 +230,45 @@ def _transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, layer_i
         dst[dst_indices.to(torch.int64).to(dst.device)] = src[pages, layer_id, slots].to(dst.device)
 
 
-def _patch_direct_transfers() -> None:
+# The "kernel" io backend's device -> host copy into a page_first host pool
+# (sgl_kernel.kvcacheio transfer_kv_all_layer_lf_pf, CUDA only) takes the device
+# layers as a table of data pointers (pool_host/common.py make_kernel_ptr_table:
+# tensor.data_ptr() on the CPU).  The stand-in finds the device pool's tensors by those
+# pointers among the ones make_hicache registered, and copies by torch indexing: host
+# token h, layer l of page_first lives at kv_buffer[k|v, h, l].  (SGLang's server
+# arguments turn page_first with the direct backend into page_first_direct, so
+# page_first runs only on this backend.)
+
+_device_layers: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def _register_device_layers(kv_pool) -> None:
+    for t in (*kv_pool.k_buffer, *kv_pool.v_buffer):
+        _device_layers[t.data_ptr()] = t
+
+
+def _transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices,
+                                 item_size, dst_layout_dim, num_layers):
+    """Device (layer-first pointer tables) -> host page_first (dst_k, dst_v:
+    (tokens, layers, heads, dim))."""
+    row = dst_k.shape[-2] * dst_k.shape[-1] * dst_k.element_size()
+    if (item_size, dst_layout_dim) != (row, row * num_layers):
+        raise ValueError(f"not a page_first host pool: item {item_size}, layer stride {dst_layout_dim}")
+    src_indices = src_indices.to(torch.int64).cpu()
+    dst_indices = dst_indices.to(torch.int64).cpu()
+    for ptrs, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
+        for layer, ptr in enumerate(ptrs.tolist()[:num_layers]):
+            src = _device_layers[int(ptr)]
+            dst[dst_indices, layer] = src[src_indices.to(src.device)].to(dst.device)
+
+
+def _patch_transfers() -> None:
     from sglang.srt.mem_cache.pool_host import mha
 
     for name, fn in (("transfer_kv_direct", _transfer_kv_direct),
                      ("transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf),
-                     ("transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf)):
+                     ("transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf),
+                     ("transfer_kv_all_layer_lf_pf", _transfer_kv_all_layer_lf_pf)):
         if not hasattr(mha, name):
             setattr(mha, name, fn)
 
@@ -313,7 +347,7 @@ def install() -> None:
         _patch_get_device()
         _patch_cpu_stream_synchronize()
         _patch_host_pool_pin_memory()
-        _patch_direct_transfers()
+        _patch_transfers()
         _single_rank_topology()
         _installed = True
 
@@ -554,7 +588,8 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
     - ``UnifiedRadixCache`` with the FULL component, then ``init_hicache``: the host
       pool (``MHATokenToKVPoolHost``, *layout*, *host_tokens* slots, default twice the
       device pool) in a host pool group, and the ``HybridCacheController`` with io
-      backend "direct", *write_policy* and the L3 backend, created by SGLang's
+      backend "direct" ("kernel" for page_first, the one backend SGLang runs it
+      on: its copy stands in above), *write_policy* and the L3 backend, created by SGLang's
       ``StorageBackendFactory`` from ``--hicache-storage-backend`` *storage_backend*
       and ``--hicache-storage-backend-extra-config`` (JSON of *backend_extra_config*;
       with "file", *storage_dir* goes in as its "file_storage_path");
@@ -588,7 +623,7 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
         model_path=model_path,
         page_size=page_size,
         hicache_ratio=host_tokens / device_tokens,
-        hicache_io_backend="direct",
+        hicache_io_backend="kernel" if layout == "page_first" else "direct",
         hicache_mem_layout=layout,
         hicache_write_policy=write_policy,
         hicache_storage_backend=storage_backend,
@@ -603,6 +638,7 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
     kv_pool = MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=n_heads,
                                head_dim=head_dim, layer_num=n_layers, device="cpu",
                                enable_memory_saver=False)
+    _register_device_layers(kv_pool)
     allocator = PagedTokenToKVPoolAllocator(size=device_tokens, page_size=page_size, dtype=dtype,
                                             device="cpu", kvcache=kv_pool, need_sort=False)
     params = CacheInitParams(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,

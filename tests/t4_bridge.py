@@ -17,7 +17,7 @@ import torch
 from engine_bridge import (Bridge, DigestMismatch, DirSink, DirSource, IncompleteSession,
                            InvalidSession, KVPool, MemorySession, MismatchError, ModelMismatch,
                            NoFreeBlocks, PageOutError, RefCountingAllocator, Refused, SeqBlocks,
-                           SourceChanged, Staging, WrongSizePage)
+                           SourceChanged, Staging, Unfingerprinted, WrongSizePage)
 from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine
 from pffs.names import DIGEST_XATTR
 from pffs.manifest import page_name, parse
@@ -313,7 +313,9 @@ REFUSALS = {
     "dtype": (dict(dtype="bf16"), None, MismatchError, "dtype"),
     "layout": ({}, lambda d: _edit_manifest(d, lambda m: m.update(layout="paged-other-v9")),
                MismatchError, "layout"),
-    "model": (dict(seed=2), None, ModelMismatch, "model.revision"),
+    "model": (dict(seed=2), None, ModelMismatch, "model.weights_sha256"),
+    "no weights fingerprint": ({}, lambda d: _edit_manifest(d, lambda m: m["model"].pop("weights_sha256")),
+                               Unfingerprinted, "model.weights_sha256"),
     "kv rope": ({}, lambda d: _edit_manifest(d, lambda m: m["kv"].update(k_has_rope=False)),
                 MismatchError, "kv.k_has_rope"),
     "kv scales": ({}, lambda d: _edit_manifest(d, lambda m: m["kv"].update(scales={"k": [0.5]})),
@@ -376,15 +378,19 @@ def test_force_overrides_the_model_check_only(tmp_path, session_dir):
 
 
 def test_model_check_needs_both_sides(tmp_path, session_dir):
+    """A session that does not say which weights wrote it loads only when
+    trusted; then what both sides give is compared."""
     sess = _copy_session(session_dir, tmp_path / "s")
     _edit_manifest(sess, lambda m: m.update(model=None))
-    assert ReferenceEngine(seed=2).page_in(sess) == IDS  # no identity given: not compared
+    with pytest.raises(Unfingerprinted, match="trust_unfingerprinted=True"):
+        ReferenceEngine(seed=2).page_in(sess)
+    assert ReferenceEngine(seed=2).page_in(sess, trust_unfingerprinted=True) == IDS
     sess2 = _copy_session(session_dir, tmp_path / "s2")
     _edit_manifest(sess2, lambda m: m.update(model={"name": "pffs-reference"}))
-    assert ReferenceEngine(seed=2).page_in(sess2) == IDS  # only the name is compared
+    assert ReferenceEngine(seed=2).page_in(sess2, trust_unfingerprinted=True) == IDS  # the name only
     _edit_manifest(sess2, lambda m: m.update(model={"name": "llama"}))
     with pytest.raises(ModelMismatch, match="model.name"):
-        ReferenceEngine(seed=2).page_in(sess2)
+        ReferenceEngine(seed=2).page_in(sess2, trust_unfingerprinted=True)
 
 
 def test_xattr_digests_verify_big_sessions_without_a_first_read(tmp_path, session_dir):

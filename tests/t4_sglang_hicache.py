@@ -32,12 +32,13 @@ from pffs.types import digest_of
 pytestmark = pytest.mark.timeout(600)
 
 CFG = "c0" * 32       # the model identity's config_sha256 (no model folder: SGLang's "dummy")
+WEIGHTS = "5e" * 32   # and its weights_sha256
 
 
 def backend(mnt, **more) -> dict:
     return {"backend_name": "pffs", "module_path": "engine_bridge.sglang",
             "class_name": "PffsHiCacheStorage", "interface_v1": 1, "root": str(mnt.path),
-            "config_sha256": CFG, **more}
+            "config_sha256": CFG, "weights_sha256": WEIGHTS, **more}
 
 
 def hicache(mnt, page_size=16, **kw):
@@ -67,7 +68,7 @@ def test_pages_written_through_are_contract_pages_under_chain_keys_and_come_back
         blobs = hc.storage.blobs
         assert [blobs.get(digest(p)) for p in pages] == pages
     template = mnt.path / ".hicache" / f"{space}.json"
-    assert json.loads(template.read_bytes())["model"] == {"config_sha256": CFG}
+    assert json.loads(template.read_bytes())["model"] == {"config_sha256": CFG, "weights_sha256": WEIGHTS}
 
     with hicache(mnt) as fresh:                             # a new cache, the same store
         idx = fresh.prefetch(tokens)
@@ -92,13 +93,14 @@ def test_pages_written_through_are_contract_pages_under_chain_keys_and_come_back
 
 def test_a_session_saved_by_vllm_is_a_hit_for_sglang_by_its_tokens(mount_factory, tmp_path):
     """vLLM's real engine saves a request (random Llama, bf16, pages of 32); SGLang, told
-    the same model (its folder: the config's sha256, as vLLM's connector computes it),
+    the same model (its folder: the config's sha256 and the weights' fingerprint, as
+    vLLM's connector computes them),
     prefetches the session's full pages for a prompt starting with its tokens: the host
     pool holds the session's page bytes."""
     from transformers import AutoConfig
     from vllm_real import VllmEngine
 
-    from engine_bridge.core.bridge import hf_config_sha256
+    from engine_bridge.core.identity import hf_config_sha256, weights_sha256_of_folder
     from engine_bridge.sglang.hicache import model_identity
 
     mnt = mount_factory()
@@ -109,15 +111,40 @@ def test_a_session_saved_by_vllm_is_a_hit_for_sglang_by_its_tokens(mount_factory
         assert r.returncode == 0, r.stderr
     model = tmp_path.parent / "random-llama-h4"            # (tests/vllm_real.py's model folder)
     identity = model_identity(str(model), {})
-    assert identity == {"config_sha256": hf_config_sha256(AutoConfig.from_pretrained(model))}
+    assert identity == {"config_sha256": hf_config_sha256(AutoConfig.from_pretrained(model)),
+                        "weights_sha256": weights_sha256_of_folder(model)}
     session = json.loads((mnt.path / "from-vllm" / "manifest.json").read_bytes())
     q = prompt + s["tokens"][:7] + [5, 6]                  # 3 full pages the session holds
-    with hicache(mnt, page_size=32, extra={"config_sha256": identity["config_sha256"]}) as hc:
+    with hicache(mnt, page_size=32, extra=identity) as hc:
         assert hc.storage.space == ck.manifest_namespace(session)
         idx = hc.prefetch(q)
         got = hc.host_page_bytes(idx)
         assert [digest(b) for b in got] == session["pages"][:3]
         assert got == [(mnt.path / "from-vllm" / "pages" / mf.page_name(i)).read_bytes() for i in range(3)]
+
+
+def test_the_namespace_includes_the_weights_fingerprint(tmp_path):
+    """Two model folders with one config and other weights: two identities, two key
+    namespaces.  No weight file and no weights_sha256: refused, in one line."""
+    sglang_cpu.install()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine_bridge.sglang.hicache import model_identity
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(cfg).save_pretrained(tmp_path / f"m{seed}")
+    a, b = (model_identity(str(tmp_path / f"m{seed}"), {}) for seed in (0, 1))
+    assert a["config_sha256"] == b["config_sha256"] and a["weights_sha256"] != b["weights_sha256"]
+    geom = dict(dtype="bf16", n_layers=2, n_heads=2, head_dim=8, page_size_tokens=16,
+                kv={"k_has_rope": True, "scales": None})
+    assert ck.key_namespace(a, **geom) != ck.key_namespace(b, **geom)
+    # Extra config overrides the folder's.
+    assert model_identity(str(tmp_path / "m0"), {"weights_sha256": WEIGHTS})["weights_sha256"] == WEIGHTS
+    cfg.save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match="no weight files found .*weights_sha256"):
+        model_identity(str(tmp_path / "bare"), {})
 
 
 def cached_rows(mnt) -> tuple[int, int]:

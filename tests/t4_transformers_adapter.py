@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from engine_bridge import (IncompleteSession, MismatchError, ModelMismatch, NoFreeBlocks,  # noqa: E402
-                           Refused)
+                           Refused, Unfingerprinted)
 from engine_bridge import demo  # noqa: E402
 from engine_bridge.reference.reference_engine import ModelConfig, ReferenceEngine  # noqa: E402
 from engine_bridge.transformers.transformers_adapter import (REQUIRED_VERSION, TransformersEngine,  # noqa: E402
@@ -71,7 +71,8 @@ def test_fork_through_the_mount_and_continue_bit_exact(mnt, dtype):
     assert m.engine == {"name": "transformers", "kv_layout": "transformers paged", "block_size": 16,
                         "version": REQUIRED_VERSION}
     assert m.kv == {"k_has_rope": True, "scales": None}
-    assert set(m.model) == {"name", "revision", "config_sha256"} and m.model == a.model_identity
+    assert set(m.model) == {"name", "revision", "config_sha256", "weights_sha256"}
+    assert m.model == a.model_identity
     [seq] = m.logical_seqs
     assert seq.token_ids == PROMPT + toks[:-1] and seq.fill_in_last_page == n % 16
 
@@ -125,9 +126,10 @@ def test_session_continues_in_the_reference_engine(tmp_path, dtype):
 
     ref = ReferenceEngine(ModelConfig(), dtype=dtype, state_dict=a.model.state_dict(),
                           model_name=m.model["name"])
-    # Same weights (same name and revision); the configs are written in two forms.
-    assert {k: ref.model_identity[k] for k in ("name", "revision")} == \
-        {k: m.model[k] for k in ("name", "revision")}
+    # Same weights (same name, revision and weights fingerprint); the configs are
+    # written in two forms.
+    assert {k: ref.model_identity[k] for k in ("name", "revision", "weights_sha256")} == \
+        {k: m.model[k] for k in ("name", "revision", "weights_sha256")}
     with pytest.raises(ModelMismatch, match="config_sha256"):
         ref.page_in(tmp_path / "s")
     assert ref.page_in(tmp_path / "s", force=True) == ["r"]
@@ -239,6 +241,45 @@ def test_page_in_refusals_leave_the_engine_as_it_was(tmp_path):
         assert torch.equal(target.adapter.cache.cache_tensor, cache), what
         assert target.requests() == live, what
         target.step()  # and it goes on running
+
+
+def test_other_weights_under_the_same_config_and_name_are_refused(tmp_path):
+    """Two models with one config and one name and other weights: a session of one
+    is refused by the other, naming both fingerprints (the weights of a model made
+    in memory are fingerprinted from its tensors)."""
+    a, _, _ = decoded("f32", steps=3)
+    a.page_out(tmp_path / "s")
+    other = TransformersEngine(llama_model(dtype="f32", seed=SEED + 1), num_blocks=48,
+                               page_size=16, max_batch_tokens=128)
+    mine, theirs = a.model_identity, other.model_identity
+    assert (mine["name"], mine["config_sha256"]) == (theirs["name"], theirs["config_sha256"])
+    assert mine["weights_sha256"] != theirs["weights_sha256"]
+    with pytest.raises(ModelMismatch) as ei:
+        other.page_in(tmp_path / "s")
+    assert ei.value.field == "model.weights_sha256"
+    assert mine["weights_sha256"] in str(ei.value) and theirs["weights_sha256"] in str(ei.value)
+    assert other.requests() == []
+
+    # The same session without its fingerprint: into its own model only when trusted.
+    run("cp", "-r", tmp_path / "s", tmp_path / "bare")
+    m = json.loads((tmp_path / "bare" / "manifest.json").read_text())
+    del m["model"]["weights_sha256"]
+    (tmp_path / "bare" / "manifest.json").write_text(json.dumps(m))
+    same = engine("f32")
+    with pytest.raises(Unfingerprinted, match="trust_unfingerprinted=True"):
+        same.page_in(tmp_path / "bare")
+    assert same.requests() == []
+    assert same.page_in(tmp_path / "bare", trust_unfingerprinted=True) == ["r"]
+
+
+def test_a_model_loaded_from_a_folder_is_fingerprinted_by_its_files(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from engine_bridge import weights_sha256_of_folder
+    llama_model(dtype="f32", seed=SEED).save_pretrained(tmp_path / "ckpt")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
+    e = TransformersEngine(model, num_blocks=16, page_size=16, max_batch_tokens=128)
+    assert e.model_identity["weights_sha256"] == weights_sha256_of_folder(tmp_path / "ckpt")
 
 
 def test_another_transformers_release_is_refused():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 import torch
 
 from engine_bridge import Bridge, RefCountingAllocator
@@ -71,7 +72,7 @@ def test_save_fork_and_load_through_a_mount(tmp_path, mount_factory):
     assert m["logical_seqs"][0]["token_ids"] == tokens[:42]
     assert (m["page_size_tokens"], m["n_layers"], m["n_heads"], m["head_dim"], m["dtype"]) \
         == (BLOCK, L, H, D, "bf16")
-    assert m["engine"]["name"] == "vllm" and m["engine"]["kv_layout"] == "vllm LBNHC"
+    assert m["engine"]["name"] == "vllm" and m["engine"]["kv_layout"] == "vllm LBNHC cpu vec16"
     assert m["model"]["name"].endswith("tiny-llama")
     assert len(m["pages"]) == 3 and m["logical_seqs"][0]["fill_in_last_page"] == 42 % BLOCK
     # Byte-exact contract pages, and sha256sum agrees with the manifest.
@@ -250,3 +251,37 @@ def test_a_lora_session_serves_only_its_adapter(tmp_path):
     fresh = Engine(tmp_path, tmp_path)     # (eng's prefix cache holds ada's blocks of the prompt)
     rid = fresh.add(prompt, {"pffs_load": "tuned"}, max_tokens=2, lora_request=ada)
     assert fresh.run(rid) == {"pffs_loaded": 32}
+
+
+def test_other_weights_are_refused_and_an_unfingerprinted_session_loads_when_trusted(tmp_path):
+    """Every session the connector saves carries its weights fingerprint: an engine of
+    other weights refuses it, naming both.  A session whose manifest does not say which
+    weights wrote it loads only for a request that trusts it (``"pffs_trust": true``),
+    on the scheduler's check and the worker's."""
+    from vllm_helpers import WEIGHTS
+    _, tokens = save(tmp_path, tmp_path, "agent-a")
+    m = json.loads((tmp_path / "agent-a" / "manifest.json").read_bytes())
+    assert m["model"]["weights_sha256"] == WEIGHTS
+    prompt = tokens[:42] + [5, 6]
+    other = "4f" * 32
+    refused(Engine(tmp_path, tmp_path, extra={"weights_sha256": other}), prompt,
+            {"pffs_load": "agent-a"},
+            f"model.weights_sha256 mismatch: session has {WEIGHTS!r}, engine has {other!r}")
+
+    subprocess.run(["cp", "-r", str(tmp_path / "agent-a"), str(tmp_path / "bare")], check=True)
+    del m["model"]["weights_sha256"]
+    (tmp_path / "bare" / "manifest.json").write_text(json.dumps(m))
+    refused(Engine(tmp_path, tmp_path), prompt, {"pffs_load": "bare"}, '"pffs_trust": true')
+    eng = Engine(tmp_path, tmp_path)
+    rid = eng.add(prompt, {"pffs_load": "bare", "pffs_trust": True}, max_tokens=2)
+    eng.until_scheduled(rid)
+    assert [j.page_ixs for j in eng.loads] == [[0, 1]]
+    assert eng.computed[rid][0] == 32
+    assert_holds_computed_kv(eng, rid, prompt, len(prompt))
+    assert eng.run(rid) == {"pffs_loaded": 32}
+
+
+def test_a_model_without_a_weights_fingerprint_is_refused_at_start(tmp_path):
+    """The model folder holds no weight file and no fingerprint is given: one line."""
+    with pytest.raises(ValueError, match="no weight files found for model .*tiny-llama.*weights_sha256"):
+        Engine(tmp_path, tmp_path, extra={"weights_sha256": ""})

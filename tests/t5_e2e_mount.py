@@ -163,7 +163,7 @@ REFUSALS = {
     "n_layers": (dict(config=ModelConfig(n_layers=3)), None, MismatchError, "n_layers"),
     "head_dim": (dict(config=ModelConfig(head_dim=32)), None, MismatchError, "head_dim"),
     "dtype": (dict(dtype="bf16"), None, MismatchError, "dtype"),
-    "model": (dict(seed=SEED + 1), None, ModelMismatch, "model.revision"),
+    "model": (dict(seed=SEED + 1), None, ModelMismatch, "model.weights_sha256"),
     "kv": ({}, lambda s: _edit_manifest(s, lambda m: m["kv"].update(k_has_rope=False)),
            MismatchError, "kv.k_has_rope"),
     "missing page": ({}, lambda s: os.unlink(s / "pages" / page_name(2)), IncompleteSession, None),

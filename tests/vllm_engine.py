@@ -27,12 +27,19 @@ import json
 import os
 import sys
 
+if os.environ.get("PFFS_TEST_ATTN_ISA"):
+    # A host of another CPU kernel, as far as vLLM's CPU attention can tell:
+    # its builder (in every process: spawned children import this module
+    # too) chooses the kernel named here instead of the host's best.
+    import vllm.v1.attention.backends.cpu_attn as _cpu_attn
+    _cpu_attn._get_attn_isa = lambda *a, **k: os.environ["PFFS_TEST_ATTN_ISA"]
 
-def model_dir(path: str, n_heads: int) -> str:
+
+def model_dir(path: str, n_heads: int, seed: int = 0) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
     import torch
     if not os.path.exists(os.path.join(path, "config.json")):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=n_heads, head_dim=64,
                           vocab_size=1000, max_position_embeddings=2048, eos_token_id=999,
@@ -65,6 +72,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--root", required=True)
     ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0, help="the weights' seed, when the model folder is made")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--blocks", type=int, default=0, help="num_gpu_blocks_override (0: vLLM's)")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -77,7 +85,7 @@ def main() -> None:
         kw["num_gpu_blocks_override"] = a.blocks
     if a.tp > 1:
         kw["distributed_executor_backend"] = "mp"
-    llm = LLM(model=model_dir(a.model, a.kv_heads), skip_tokenizer_init=True, dtype="bfloat16",
+    llm = LLM(model=model_dir(a.model, a.kv_heads, a.seed), skip_tokenizer_init=True, dtype="bfloat16",
               seed=0, block_size=32, max_model_len=a.max_model_len, enforce_eager=True,
               max_num_batched_tokens=a.batched_tokens, max_num_seqs=8,
               enable_prefix_caching=True, tensor_parallel_size=a.tp,

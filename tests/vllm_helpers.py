@@ -17,10 +17,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-L, H, D, BLOCK = 2, 2, 16, 16
+L, H, D, BLOCK = 2, 2, 32, 16
 NUM_BLOCKS = 64
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 EOS = 999
+#: The weights fingerprint the connector is given (the model folder holds no weights).
+WEIGHTS = "3e" * 32
 
 
 def model_dir(tmp: Path) -> str:
@@ -46,7 +48,7 @@ def vllm_config(tmp: Path, *, layout: str = "LBNHC", extra: dict[str, Any] | Non
                      enable_prefix_caching=True)
     cc.kv_cache_layout = layout
     kt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
-                          kv_connector_extra_config=dict(extra or {}),
+                          kv_connector_extra_config={"weights_sha256": WEIGHTS, **(extra or {})},
                           kv_load_failure_policy=policy)
     return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                       kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
@@ -70,6 +72,17 @@ def kv_views(cfg, *, layout: str = "LBNHC", kernel_block_size: int | None = None
     caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout],
                                [kernel_block_size or BLOCK])
     return [caches[n] for n in LAYERS], kcc
+
+
+def attention_layers(cfg) -> list:
+    """vLLM's own attention layers of the model, registered in *cfg* as a model
+    runner registers them (the connector asks them which kernel packs the KV)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+    ctx = cfg.compilation_config.static_forward_context
+    with set_current_vllm_config(cfg):
+        return [ctx[n] if n in ctx else Attention(4, D, D ** -0.5, num_kv_heads=H, prefix=n,
+                                                   cache_config=cfg.cache_config) for n in LAYERS]
 
 
 # ------------------------------------------------------------- an engine loop
@@ -104,8 +117,10 @@ class Engine:
         self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kcc, log_stats=False,
                                structured_output_manager=StructuredOutputManager(self.cfg),
                                block_size=BLOCK)
+        attention_layers(self.cfg)
         self.worker = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kcc)
         self.worker.register_kv_caches(dict(zip(LAYERS, self.views)))
+        self.pool = self.worker.kv_pool()
         self.r = self.views[0].shape[0] // self.kcc.num_blocks
         self.outputs: dict[str, Any] = {}
         self.loads: list = []
@@ -139,9 +154,23 @@ class Engine:
         nk = BLOCK // self.r
         return block * self.r + pos_in_block // nk, pos_in_block % nk
 
+    def _page(self, block: int) -> torch.Tensor:
+        page = torch.empty((1, self.pool.page_bytes), dtype=torch.uint8)
+        self.pool.gather([block], page)
+        return page
+
     def kv_at(self, layer: int, block: int, pos_in_block: int) -> torch.Tensor:
-        kb, n = self.slot(block, pos_in_block)
-        return self.views[layer][kb, :, n, :]
+        """Token *pos_in_block*'s K then V of every head ([H, 2D]), read through the
+        connector's pool (which knows where the attention kernel keeps them)."""
+        kv = self._page(block).view(torch.bfloat16).view(2, L, BLOCK, H, D)[:, layer, pos_in_block]
+        return torch.cat([kv[0], kv[1]], dim=-1)
+
+    def write_kv(self, layer: int, block: int, pos_in_block: int, kv: torch.Tensor) -> None:
+        """Store token *pos_in_block*'s K then V ([H, 2D]) where the kernel keeps them."""
+        page = self._page(block)
+        view = page.view(torch.bfloat16).view(2, L, BLOCK, H, D)
+        view[0, layer, pos_in_block], view[1, layer, pos_in_block] = kv[:, :D], kv[:, D:]
+        self.pool.scatter([block], page)
 
     def step(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -159,8 +188,8 @@ class Engine:
             for pos in range(starts[rid], starts[rid] + n):
                 self.computed.setdefault(rid, []).append(pos)
                 for layer in range(L):
-                    self.kv_at(layer, blocks[pos // BLOCK], pos % BLOCK).copy_(
-                        kv_of(layer, pos, req.all_token_ids[pos]))
+                    self.write_kv(layer, blocks[pos // BLOCK], pos % BLOCK,
+                                  kv_of(layer, pos, req.all_token_ids[pos]))
         w.wait_for_save()
         sending, recving = w.get_finished(out.finished_req_ids)
         bad = w.get_block_ids_with_load_errors()

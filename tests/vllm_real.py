@@ -27,19 +27,24 @@ class EngineDied(AssertionError):
 class VllmEngine:
     def __init__(self, tmp: Path, root: Path, *, kv_heads: int = 4, tp: int = 1, blocks: int = 0,
                  max_model_len: int = 1024, batched_tokens: int = 2048,
-                 extra: dict[str, Any] | None = None, start_timeout: float = 300.0):
+                 extra: dict[str, Any] | None = None, start_timeout: float = 300.0,
+                 isa: str | None = None, seed: int = 0):
         self.log_path = tmp / f"vllm-{os.getpid()}-{id(self):x}.log"
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
                    # (digests sends a function to the workers: pickled)
                    VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                    PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        if isa:
+            env["PFFS_TEST_ATTN_ISA"] = isa     # (the CPU attention kernel vLLM is to use)
         if tp > 1:
             # One core per rank: the ranks' OpenMP threads must not share them.
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
                                                          for i in range(tp))
-        cmd = [sys.executable, str(HERE / "vllm_engine.py"), "--model",
-               str(tmp.parent / f"random-llama-h{kv_heads}"), "--root", str(root),
+        # (a model folder a seed: the same config, other weights)
+        self.model = tmp.parent / (f"random-llama-h{kv_heads}" + (f"-seed{seed}" if seed else ""))
+        cmd = [sys.executable, str(HERE / "vllm_engine.py"), "--model", str(self.model),
+               "--root", str(root), "--seed", str(seed),
                "--kv-heads", str(kv_heads), "--tp", str(tp), "--blocks", str(blocks),
                "--max-model-len", str(max_model_len), "--batched-tokens", str(batched_tokens),
                "--extra", json.dumps(extra or {})]

@@ -1,3 +1,4 @@
 """The bridge itself: page out and page in (``bridge``), a pool's layout and
-its blocks (``pool``), bounded host staging (``staging``) and a
-reference-counting block allocator (``allocator``)."""
+its blocks (``pool``), bounded host staging (``staging``), a model's
+identity in a manifest (``identity``) and a reference-counting block
+allocator (``allocator``)."""

@@ -14,7 +14,6 @@ allocator exactly as they were.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -39,6 +38,7 @@ from engine_bridge.errors import (
     NoFreeBlocks,
     PageOutError,
     SourceChanged,
+    Unfingerprinted,
     WrongSizePage,
 )
 from engine_bridge.transport.choose import as_sink, as_source
@@ -57,28 +57,6 @@ assert all(name in PAGE_LAYOUTS for name in SUPPORTED_LAYOUTS)
 #: against 867, 512 KiB 1,095 against 1,215, 2 MiB 1,119 against 2,357.
 PAGE_IN_THREADS_FROM = 512 << 10
 _PLACEHOLDER = Digest("sha256:" + "0" * 64)
-
-
-def config_sha256(config: dict[str, Any]) -> str:
-    """sha256 hex of a model config's canonical JSON (sorted keys, no spaces)."""
-    data = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(data.encode()).hexdigest()
-
-
-#: Hugging Face config keys that say nothing about what the KV bytes mean
-#: (bookkeeping, output switches, the attention kernel an engine may switch).
-_CONFIG_NOISE = {"transformers_version", "dtype", "torch_dtype", "_name_or_path", "use_cache",
-                 "output_hidden_states", "output_attentions", "return_dict"}
-
-
-def hf_config_sha256(config) -> str:
-    """:func:`config_sha256` of a Hugging Face model config without its bookkeeping keys.
-
-    The transformers adapter and the vLLM connector both use it, so the same
-    checkpoint gets the same identity in either engine.
-    """
-    return config_sha256({k: v for k, v in config.to_dict().items()
-                          if k not in _CONFIG_NOISE and not k.startswith("_")})
 
 
 @dataclass
@@ -117,13 +95,16 @@ def _kv_norm(kv: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def check_manifest(manifest: Manifest, geometry: dict[str, Any], kv: dict[str, Any] | None,
-                   model: dict[str, Any] | None, *, force: bool = False) -> None:
+                   model: dict[str, Any] | None, *, force: bool = False,
+                   trust_unfingerprinted: bool = False) -> None:
     """Refuse a manifest whose pages mean something else in a pool of *geometry*.
 
     Geometry, dtype, page layout and kv conventions must match; the model
     identity must match where both sides give a field (``force`` skips only
-    that last check).  A manifest without ``kv`` is taken to follow
-    :data:`~engine_bridge.core.pool.DEFAULT_KV`.
+    that check).  A session without ``model.weights_sha256`` goes into an
+    engine that has one only with *trust_unfingerprinted* (or ``force``):
+    nothing says which weights wrote it.  A manifest without ``kv`` is taken
+    to follow :data:`~engine_bridge.core.pool.DEFAULT_KV`.
     """
     for key in ("page_size_tokens", "n_layers", "n_heads", "head_dim", "dtype"):
         if getattr(manifest, key) != geometry[key]:
@@ -134,12 +115,17 @@ def check_manifest(manifest: Manifest, geometry: dict[str, Any], kv: dict[str, A
     for key in sorted(mine.keys() | theirs.keys()):
         if mine.get(key) != theirs.get(key):
             raise MismatchError(f"kv.{key}", theirs.get(key), mine.get(key))
-    if force or not manifest.model or not model:
+    if force or not model:
         return
-    for key in sorted(manifest.model.keys() & model.keys()):
-        a, b = manifest.model[key], model[key]
+    saved = manifest.model or {}
+    # The weights first: they say the most about which model wrote the pages.
+    for key in sorted(saved.keys() & model.keys(), key=lambda k: (k != "weights_sha256", k)):
+        a, b = saved[key], model[key]
         if a is not None and b is not None and a != b:
             raise ModelMismatch(f"model.{key}", a, b)
+    if model.get("weights_sha256") and not saved.get("weights_sha256") \
+            and not trust_unfingerprinted:
+        raise Unfingerprinted(model["weights_sha256"])
 
 
 def read_manifest(source: SessionSource) -> Manifest:
@@ -205,7 +191,8 @@ class Bridge:
     """Moves pages between one engine's pool and sessions.
 
     *model* is the engine's model identity (``name``, ``revision``,
-    ``config_sha256``), written into manifests and compared at page-in.
+    ``config_sha256``, ``weights_sha256``: :mod:`engine_bridge.core.identity`),
+    written into manifests and compared at page-in.
     The staging buffers are allocated once, grow up to *staging_bytes* of host
     memory whatever the session size, and are reused by every call.
     """
@@ -425,14 +412,17 @@ class Bridge:
 
     # ------------------------------------------------------------------ page in
 
-    def check(self, manifest: Manifest, *, force: bool = False) -> None:
+    def check(self, manifest: Manifest, *, force: bool = False,
+              trust_unfingerprinted: bool = False) -> None:
         """Refuse a manifest whose pages mean something else in this pool (see :func:`check_manifest`)."""
-        check_manifest(manifest, self.pool.geometry, self.pool.kv, self.model, force=force)
+        check_manifest(manifest, self.pool.geometry, self.pool.kv, self.model, force=force,
+                       trust_unfingerprinted=trust_unfingerprinted)
 
-    def page_in(self, src: SourceLike, *, force: bool = False,
+    def page_in(self, src: SourceLike, *, force: bool = False, trust_unfingerprinted: bool = False,
                 accept: Callable[[Manifest], None] | None = None) -> PageInResult:
         """Load a complete session into freshly allocated blocks.
 
+        *force* and *trust_unfingerprinted* are :func:`check_manifest`'s.
         *accept*, if given, sees the checked manifest before anything is
         allocated and may raise to refuse it (e.g. a sequence id already in
         use).  Raises a :class:`~engine_bridge.errors.PageInError` naming the
@@ -443,7 +433,7 @@ class Bridge:
             raise ValueError("this bridge has no allocator: it can page out only")
         source = as_source(src)
         manifest = read_manifest(source)
-        self.check(manifest, force=force)
+        self.check(manifest, force=force, trust_unfingerprinted=trust_unfingerprinted)
         if accept is not None:
             accept(manifest)
         needed = sorted({ix for s in manifest.logical_seqs for ix in s.page_ixs})
@@ -461,7 +451,7 @@ class Bridge:
         return PageInResult(seqs, blocks, manifest)
 
     def load_into(self, src: SourceLike, page_ixs: Sequence[int], blocks: Sequence[int], *,
-                  force: bool = False) -> Manifest:
+                  force: bool = False, trust_unfingerprinted: bool = False) -> Manifest:
         """Page pages *page_ixs* of a session into the given *blocks* (one each, in order).
 
         For an engine whose scheduler chose the blocks.  The manifest is
@@ -473,7 +463,7 @@ class Bridge:
             raise ValueError("load_into needs one block per page and distinct pages")
         source = as_source(src)
         manifest = read_manifest(source)
-        self.check(manifest, force=force)
+        self.check(manifest, force=force, trust_unfingerprinted=trust_unfingerprinted)
         if page_ixs and not (0 <= min(page_ixs) and max(page_ixs) < len(manifest.pages)):
             raise InvalidSession(f"pages {min(page_ixs)}..{max(page_ixs)} not in a session of "
                                  f"{len(manifest.pages)} pages")

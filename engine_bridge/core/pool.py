@@ -276,23 +276,87 @@ class KVPool:
 #: (``vllm.v1.kv_cache_layout.KVCacheLayout`` names).
 VLLM_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
+#: Integer numpy types of each item size: packed pools copy elements, not bytes.
+_ELEMENT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True, eq=False)
+class BlockPacking:
+    """Where an attention kernel keeps each K and V element of one head in a kernel block.
+
+    vLLM hands a connector each layer as ``[B, H, N, C]`` (kernel blocks, KV
+    heads, token slots, content); what ``C`` holds, and in which order, is
+    the attention kernel's.  ``pos[kv, n, d]`` is where element *d* of token
+    *n*'s K (kv 0) or V (kv 1) lies in one head's ``[N, C]`` of a kernel
+    block, counted in C order.  Flash-attention-style kernels keep token
+    *n*'s K then V in its row (:func:`token_packing`).  vLLM's CPU kernels
+    keep a K region then a V region, each packed for the kernel in use
+    (``engine_bridge.vllm.packing`` asks the engine's own kernel).
+    """
+
+    name: str
+    pos: np.ndarray     # [2, N, D] integers: a permutation of range(2 * N * D)
+
+    def __post_init__(self) -> None:
+        if self.pos.ndim != 3 or self.pos.shape[0] != 2:
+            raise ValueError(f"{self.name}: positions must be [2, N, D], not {self.pos.shape}")
+        if not np.array_equal(np.sort(self.pos, axis=None), np.arange(self.pos.size)):
+            raise ValueError(f"{self.name}: positions do not place every K and V element once")
+
+    @property
+    def is_token_rows(self) -> bool:
+        """Token n's K then V in row n (what a pool reads as plain strided bytes)."""
+        _, n, d = self.pos.shape
+        return np.array_equal(self.pos, token_packing(n, d).pos)
+
+
+def token_packing(n: int, d: int) -> BlockPacking:
+    """Token *n*'s K then V in row *n* of ``[N, 2D]`` (vLLM's flash-attention,
+    Triton and FlashInfer backends)."""
+    kv, tok, dim = np.meshgrid(np.arange(2), np.arange(n), np.arange(d), indexing="ij")
+    return BlockPacking("token rows", tok * 2 * d + kv * d + dim)
+
+
+def _digits(f: np.ndarray) -> list[tuple[int, int]] | None:
+    """*f* over ``range(len(f))`` as mixed-radix digits ``(size, stride)``, outer
+    first, with ``f[i]`` the sum of each digit of *i* times its stride; None
+    when *f* is no such sum."""
+    size, p, inner = len(f), 1, []
+    while p < size:
+        s, c = int(f[p]), 2
+        while p * (c + 1) <= size and int(f[p * c]) == c * s:
+            c += 1
+        while size % (p * c):
+            c -= 1
+        if c < 2:
+            return None
+        inner.append((c, s))
+        p *= c
+    got = np.zeros(size, dtype=np.int64)
+    p = 1
+    for c, s in inner:
+        got += (np.arange(size) // p % c) * s
+        p *= c
+    return inner[::-1] if np.array_equal(got, f) else None
+
 
 class VllmKVPool(KVPool):
     """vLLM's per-layer KV views as a bridge pool (no copy).
 
     vLLM hands a connector one view per layer, logically ``[B, H, N, C]``
-    (kernel blocks, KV heads, token slots, K then V packed in ``C``), laid out
-    in memory in one of :data:`VLLM_ORDERS` through its strides.  When the
-    attention kernel splits each of the scheduler's blocks into ``r`` kernel
-    blocks, the view's first dimension is ``r * num_blocks``: a block of this
-    pool is one scheduler block, ``r`` kernel blocks whose token slots follow
-    each other.  Page bytes do not depend on the order or the split, so a
-    session saved from one layout pages into any other (and into every other
-    engine of the same geometry).
+    (kernel blocks, KV heads, token slots, content), laid out in memory in one
+    of :data:`VLLM_ORDERS` through its strides; *packing* says where K and V
+    lie in one head's ``[N, C]`` (the attention kernel's choice; default
+    token rows).  When the attention kernel splits each of the scheduler's
+    blocks into ``r`` kernel blocks, the view's first dimension is ``r *
+    num_blocks``: a block of this pool is one scheduler block, ``r`` kernel
+    blocks whose token slots follow each other.  Page bytes are SPEC §1's
+    whatever the order, the split or the packing: the model's K and V, the
+    same on every kernel and engine.
     """
 
     def __init__(self, views: Sequence[torch.Tensor], order: str, num_blocks: int,
-                 kv: dict[str, Any] | None = None):
+                 kv: dict[str, Any] | None = None, packing: BlockPacking | None = None):
         if order not in VLLM_ORDERS:
             raise ValueError(f"unknown vLLM KV cache layout {order!r} (known: {', '.join(VLLM_ORDERS)})")
         if not views:
@@ -311,7 +375,12 @@ class VllmKVPool(KVPool):
                 raise ValueError(f"layer {i} differs from layer 0 in shape, dtype or device")
             if t.stride(-1) != 1:
                 raise ValueError(f"layer {i}: the packed K/V dimension must be contiguous")
-        self.layout = KVLayout(f"vllm {order}", (3, 0, 2, 1, 4))
+        self.packing = packing or token_packing(Nk, C // 2)
+        if self.packing.pos.shape != (2, Nk, C // 2):
+            raise ValueError(f"{self.packing.name}: positions for [2, {self.packing.pos.shape[1]}, "
+                             f"{self.packing.pos.shape[2]}], not the pool's [2, {Nk}, {C // 2}]")
+        rows = self.packing.is_token_rows
+        self.layout = KVLayout(f"vllm {order}" + ("" if rows else f" {self.packing.name}"), (3, 0, 2, 1, 4))
         self.layers = list(views)
         self.num_blocks, self.block_size, self.n_heads, self.head_dim = num_blocks, r * Nk, H, C // 2
         self.kernel_blocks_per_block = r
@@ -322,12 +391,79 @@ class VllmKVPool(KVPool):
                        .permute(4, 0, 1, 3, 2, 5) for t in self.layers]
         self._np = None
         self._stacked = None
+        self._packed = None if rows else self._packed_views()
+
+    def _packed_views(self) -> list[tuple[list[Any], tuple[int, ...]]]:
+        """For K and for V: element views ``[B, L, r, *n, H, *d]`` over every
+        layer at once (or one a layer, ``L`` of 1, when the layers do not lie
+        equally spaced), token and dim split into the digits the packing
+        strides them by, and the shape of a page's half they copy to."""
+        if self.device.type != "cpu":
+            raise ValueError(f"{self.packing.name}: a packed KV pool must be in host memory, "
+                             f"not on {self.device}")
+        t0 = self.layers[0]
+        sB, sH, sN, _ = t0.stride()
+        C = t0.shape[3]
+        isz, r = self.itemsize, self.kernel_blocks_per_block
+        el = _ELEMENT[isz]
+        ptrs = [t.data_ptr() for t in self.layers]
+        step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+        stacked = len(ptrs) > 1 and step > 0 and all(p - ptrs[0] == i * step for i, p in enumerate(ptrs))
+        halves = []
+        for kv in (0, 1):
+            pos = self.packing.pos[kv].astype(np.int64)
+            off = pos // C * sN + pos % C                     # elements from the head's block start
+            start = int(off[0, 0])
+            nd, dd = _digits(off[:, 0] - start), _digits(off[0, :] - start)
+            if nd is None or dd is None or not np.array_equal(off, off[:, :1] + off[:1, :] - start):
+                raise ValueError(f"{self.packing.name}: the kernel's packing is not a strided view")
+            sizes = [r] + [c for c, _ in nd] + [self.n_heads] + [c for c, _ in dd]
+            strides = [sB * isz] + [s * isz for _, s in nd] + [sH * isz] + [s * isz for _, s in dd]
+            views = []
+            for t in (self.layers[:1] if stacked else self.layers):
+                base = _offset(t.view(_torch_int(isz)).numpy().view(el), start)
+                views.append(np.lib.stride_tricks.as_strided(
+                    base, (self.num_blocks, len(self.layers) if stacked else 1, *sizes),
+                    (r * sB * isz, step, *strides)))
+            halves.append((views, (self.n_layers, *sizes)))
+        return halves
+
+    def _packed_rows(self, buf: torch.Tensor) -> list[Any]:
+        """Page rows ``[n, page_bytes]`` as their K and V halves in the packed views' shapes."""
+        assert self._packed is not None
+        rows = buf.numpy().view(_ELEMENT[self.itemsize]).reshape(buf.shape[0], 2, -1)
+        return [rows[:, kv].reshape(buf.shape[0], *shape) for kv, (_, shape) in enumerate(self._packed)]
+
+    def gather(self, index: torch.Tensor | Sequence[int], out: torch.Tensor) -> None:
+        if self._packed is None:
+            return super().gather(index, out)
+        blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+        for (views, _), o in zip(self._packed, self._packed_rows(out)):
+            for r, b in enumerate(blocks):
+                if len(views) == 1:
+                    o[r] = views[0][b]
+                else:
+                    for layer, v in enumerate(views):
+                        o[r, layer:layer + 1] = v[b]
+
+    def scatter(self, index: torch.Tensor | Sequence[int], src: torch.Tensor) -> None:
+        if self._packed is None:
+            return super().scatter(index, src)
+        blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+        for (views, _), s in zip(self._packed, self._packed_rows(src)):
+            for r, b in enumerate(blocks):
+                if len(views) == 1:
+                    views[0][b] = s[r]
+                else:
+                    for layer, v in enumerate(views):
+                        v[b] = s[r, layer:layer + 1]
 
     @classmethod
     def allocate_vllm(cls, *, num_blocks: int, block_size: int, n_layers: int, n_heads: int,
                       head_dim: int, dtype: torch.dtype = torch.bfloat16, order: str = "LBNHC",
                       device: str | torch.device = "cpu", kernel_blocks_per_block: int = 1,
-                      kv: dict[str, Any] | None = None) -> "VllmKVPool":
+                      kv: dict[str, Any] | None = None,
+                      packing: BlockPacking | None = None) -> "VllmKVPool":
         """A zero-filled pool laid out as vLLM lays out *order* (for tests and benchmarks)."""
         r = kernel_blocks_per_block
         if order not in VLLM_ORDERS or block_size % r:
@@ -337,4 +473,15 @@ class VllmKVPool(KVPool):
                  "C": 2 * head_dim}
         raw = torch.zeros([sizes[a] for a in order], dtype=dtype, device=device)
         logical = raw.permute([order.index(a) for a in names])
-        return cls([logical[i] for i in range(n_layers)], order, num_blocks, kv)
+        return cls([logical[i] for i in range(n_layers)], order, num_blocks, kv, packing)
+
+
+def _offset(a: np.ndarray, start: int) -> np.ndarray:
+    """A view of *a*'s memory from *start* elements past its first (numpy shows a
+    strided array's memory only through as_strided)."""
+    return np.lib.stride_tricks.as_strided(a, (start + 1,), (a.itemsize,))[start:]
+
+
+def _torch_int(itemsize: int) -> torch.dtype:
+    """The torch integer type of *itemsize* bytes (numpy has no bf16 or fp8)."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_bridge.core.allocator import RefCountingAllocator
-from engine_bridge.core.bridge import Bridge, PageInResult, SeqBlocks, config_sha256
+from engine_bridge.core.bridge import Bridge, PageInResult, SeqBlocks
+from engine_bridge.core.identity import config_sha256, weights_sha256_of_tensors
 from engine_bridge.core.pool import FLASH_ATTN, TORCH_DTYPES, BlockId, KVLayout, KVPool, layout_of
 from engine_bridge.core.staging import DEFAULT_STAGING_BYTES
 from engine_bridge.errors import Refused
@@ -170,7 +171,8 @@ class ReferenceEngine:
         self.w = {k: v.detach().to(device=self.device, dtype=self.dtype).contiguous()
                   for k, v in state.items()}
         self.model_identity = {"name": model_name, "revision": weights_digest(self.w)[:16],
-                               "config_sha256": config_sha256(c.to_dict())}
+                               "config_sha256": config_sha256(c.to_dict()),
+                               "weights_sha256": weights_sha256_of_tensors(self.w)}
 
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32)
                                            / c.head_dim))
@@ -276,9 +278,11 @@ class ReferenceEngine:
         return self.bridge.page_out(self.seq_blocks(seq_ids), dest,
                                     include_token_ids=include_token_ids)
 
-    def page_in(self, src: SourceLike, *, force: bool = False) -> list[str]:
-        """Load a session's sequences into this engine; returns their ids."""
-        res = self.bridge.page_in(src, force=force,
+    def page_in(self, src: SourceLike, *, force: bool = False,
+                trust_unfingerprinted: bool = False) -> list[str]:
+        """Load a session's sequences into this engine; returns their ids
+        (*force*, *trust_unfingerprinted*: :func:`~engine_bridge.core.bridge.check_manifest`)."""
+        res = self.bridge.page_in(src, force=force, trust_unfingerprinted=trust_unfingerprinted,
                                   accept=lambda m: self._refuse_taken_ids(
                                       [s.id for s in m.logical_seqs]))
         return self.add_restored(res)

@@ -32,9 +32,10 @@ Attach it with SGLang's dynamic backend (``docs/engines.md``)::
 pool; without it SGLang's legacy ``batch_get``/``batch_set`` hand over a
 copy of each page (the same blobs under the same keys).
 
-Extra config: ``root`` (a pffs mount, required), ``config_sha256`` (the
-model's identity when SGLang's model path is not a local Hugging Face
-folder), ``io_threads`` (pages encoded, decoded and hashed at once; default
+Extra config: ``root`` (a pffs mount, required), ``config_sha256`` and
+``weights_sha256`` (the model's identity when SGLang's model path is not a
+local Hugging Face folder; without a weights fingerprint the backend
+refuses to start), ``io_threads`` (pages encoded, decoded and hashed at once; default
 up to 4).  Refused at start, in one line: MLA models, pipeline parallel,
 extra host pools (Mamba, sliding window, draft), a host layout other than
 the three above.  At tensor parallel > 1 every rank reads its heads of the
@@ -54,7 +55,8 @@ from typing import Any, Callable, Sequence
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, hf_config_sha256
+from engine_bridge.core.bridge import SUPPORTED_LAYOUTS
+from engine_bridge.core.identity import checkpoint_weights_sha256, hf_config_sha256
 from engine_bridge.core.pool import DEFAULT_KV, DTYPE_NAMES
 from engine_bridge.errors import DamagedPage
 from engine_bridge.transport.mountinfo import StoreAccess, store_access
@@ -79,20 +81,27 @@ def is_key(k: object) -> bool:
 
 
 def model_identity(model_path: str | None, extra: dict[str, Any]) -> dict[str, Any]:
-    """The model part of the key namespace: the config's sha256 as the other engines'
-    bridges compute it (so their sessions are hits), from *extra* or the model folder."""
+    """The model part of the key namespace: the config's sha256 and the weights'
+    fingerprint as the other engines' bridges compute them (so their sessions are
+    hits), each from *extra* or else the model folder.  No fingerprint: ValueError
+    (the keys would meet those of sessions that do not say which weights wrote them)."""
+    weights = str(extra.get("weights_sha256") or "") or checkpoint_weights_sha256(model_path)
+    if not weights:
+        raise ValueError(f"pffs HiCache storage: no weight files found for model {model_path!r}: "
+                         "give extra config weights_sha256 (engine_bridge.weights_sha256_of_folder "
+                         "of its checkpoint folder)")
     if extra.get("config_sha256"):
-        return {"config_sha256": str(extra["config_sha256"])}
+        return {"config_sha256": str(extra["config_sha256"]), "weights_sha256": weights}
     if model_path:
         try:
             from transformers import AutoConfig
             cfg = AutoConfig.from_pretrained(model_path, local_files_only=True)
-            return {"config_sha256": hf_config_sha256(cfg)}
+            return {"config_sha256": hf_config_sha256(cfg), "weights_sha256": weights}
         except Exception as e:      # (not a local folder: the name alone)
             log.warning("pffs HiCache storage: no config of %r (%s): keys named by the model's "
                         "name only; give extra config config_sha256 to meet other engines' sessions",
                         model_path, e)
-    return {"name": model_path, "revision": None}
+    return {"name": model_path, "revision": None, "weights_sha256": weights}
 
 
 class PffsHiCacheStorage(HiCacheStorage):

@@ -73,7 +73,12 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
     FullAttentionCacheAllocator,
 )
 
-from engine_bridge.core.bridge import Bridge, PageInResult, SeqBlocks, hf_config_sha256  # noqa: E402
+from engine_bridge.core.bridge import Bridge, PageInResult, SeqBlocks  # noqa: E402
+from engine_bridge.core.identity import (  # noqa: E402
+    checkpoint_weights_sha256,
+    hf_config_sha256,
+    weights_sha256_of_tensors,
+)
 from engine_bridge.core.pool import BlockId, KVLayout, KVPool  # noqa: E402
 from engine_bridge.core.staging import DEFAULT_STAGING_BYTES  # noqa: E402
 from engine_bridge.errors import NoFreeBlocks, Refused  # noqa: E402
@@ -94,14 +99,23 @@ def model_identity(model, *, name: str | None = None, revision: str | None = Non
     first 16 hex digits of the weights digest that the reference engine also
     uses (sha256 over every tensor's name, dtype, shape and bytes; hashing
     reads all weights once).  ``config_sha256`` covers the config without
-    bookkeeping keys.
+    bookkeeping keys.  ``weights_sha256`` fingerprints the checkpoint folder
+    the model was loaded from (a local folder, or a hub name in the Hugging
+    Face cache), as the vLLM connector does, so that the two engines meet on
+    one checkpoint; a model made in memory, without one, gets the fingerprint
+    of its state dict's tensors, as the reference engine does.  (A model
+    changed after loading still carries its folder's.)
     """
     config = model.config
+    commit = getattr(config, "_commit_hash", None)
     if name is None:
         name = config.name_or_path or config.model_type
     if revision is None:
-        revision = getattr(config, "_commit_hash", None) or weights_digest(model.state_dict())[:16]
-    return {"name": name, "revision": revision, "config_sha256": hf_config_sha256(config)}
+        revision = commit or weights_digest(model.state_dict())[:16]
+    weights = checkpoint_weights_sha256(config.name_or_path, commit) \
+        or weights_sha256_of_tensors(model.state_dict())
+    return {"name": name, "revision": revision, "config_sha256": hf_config_sha256(config),
+            "weights_sha256": weights}
 
 
 class TransformersKVPool(KVPool):
@@ -349,11 +363,13 @@ class TransformersAdapter:
             return self.bridge.page_out(self.seq_blocks(request_ids), dest,
                                         include_token_ids=include_token_ids)
 
-    def page_in(self, src: SourceLike, *, force: bool = False, max_new_tokens: int | None = None,
+    def page_in(self, src: SourceLike, *, force: bool = False, trust_unfingerprinted: bool = False,
+                max_new_tokens: int | None = None,
                 eos_token_id: int | list[int] | None = None) -> list[str]:
         """Load a session's sequences as decoding requests; returns their ids.
 
-        Each becomes a request whose tokens are the session's ``token_ids``
+        *force* and *trust_unfingerprinted* are
+        :func:`~engine_bridge.core.bridge.check_manifest`'s.  Each becomes a request whose tokens are the session's ``token_ids``
         and whose next step re-feeds the last of them.  *max_new_tokens*
         counts from there (None: no limit); *eos_token_id* defaults to the
         manager's generation config.  Refusals leave the pool, the
@@ -373,7 +389,8 @@ class TransformersAdapter:
                     if free < need:
                         raise NoFreeBlocks(need, free)
 
-            res = self.bridge.page_in(src, force=force, accept=accept)
+            res = self.bridge.page_in(src, force=force, trust_unfingerprinted=trust_unfingerprinted,
+                                      accept=accept)
             return self._adopt(res, max_new_tokens, eos_token_id)
 
     def _refuse(self, m: Manifest) -> None:
@@ -537,9 +554,10 @@ class TransformersEngine:
                  include_token_ids: bool = True) -> Manifest:
         return self.adapter.page_out(dest, request_ids, include_token_ids=include_token_ids)
 
-    def page_in(self, src: SourceLike, *, force: bool = False,
+    def page_in(self, src: SourceLike, *, force: bool = False, trust_unfingerprinted: bool = False,
                 max_new_tokens: int | None = None) -> list[str]:
-        return self.adapter.page_in(src, force=force, max_new_tokens=max_new_tokens)
+        return self.adapter.page_in(src, force=force, trust_unfingerprinted=trust_unfingerprinted,
+                                    max_new_tokens=max_new_tokens)
 
 
 def llama_model(config=None, *, state_dict=None, dtype: str = "f32", seed: int = 0):

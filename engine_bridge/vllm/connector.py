@@ -51,12 +51,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from engine_bridge.core.bridge import Bridge, SeqBlocks, hf_config_sha256
+from engine_bridge.core.bridge import Bridge, SeqBlocks
+from engine_bridge.core.identity import checkpoint_weights_sha256, hf_config_sha256
 from engine_bridge.core.pool import DTYPE_NAMES, BlockId, KVPool, VllmKVPool
 from engine_bridge.errors import BridgeError
 from engine_bridge.transport.mountinfo import StoreAccess, store_access
 from engine_bridge.transport.store_blobs import BlobSource
+from engine_bridge.vllm.kinds import refused_kind
 from engine_bridge.vllm.lanes import HeadSlicePool, Lane, join_slices, wait_lanes
+from engine_bridge.vllm.packing import engine_packing
 from engine_bridge.vllm.plans import (
     INPUTS,
     LOAD,
@@ -108,6 +111,7 @@ class LoadJob:
     page_ixs: list[int]
     block_ids: list[int]
     digests: list[str] | None = None    # a prefix found by tokens: page i is blob digests[i]
+    trust: bool = False                 # a session without a weights fingerprint, trusted
 
 
 @dataclass
@@ -140,14 +144,12 @@ class PffsConnector(KVConnectorBase_V1):
         self.engine = str(extra.get("engine", "vllm"))
         self.store_tokens = bool(extra.get("token_ids", True))
         self.nice = (int(extra.get("save_nice", 0)), int(extra.get("load_nice", 15)))
+        refused = refused_kind(vllm_config, kv_cache_config)
+        if refused:
+            raise ValueError(f"PffsConnector: {refused}")
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            raise ValueError("PffsConnector supports models with one KV cache group of full "
-                             f"attention, not {len(groups)} group(s)")
         spec = groups[0].kv_cache_spec
-        if spec.head_size_v != spec.head_size or spec.dtype not in DTYPE_NAMES:
-            raise ValueError(f"PffsConnector: K and V head sizes {spec.head_size}/{spec.head_size_v} "
-                             f"and dtype {spec.dtype} do not make contract pages")
+        assert isinstance(spec, FullAttentionSpec)      # (refused_kind refuses any other)
         par, mc = vllm_config.parallel_config, vllm_config.model_config
         if par.pipeline_parallel_size > 1:
             raise ValueError("PffsConnector: pipeline parallel (size "
@@ -163,9 +165,14 @@ class PffsConnector(KVConnectorBase_V1):
         self.geometry = {"page_size_tokens": spec.block_size, "n_layers": len(self.layer_names),
                          "n_heads": self.n_heads, "head_dim": spec.head_size,
                          "dtype": DTYPE_NAMES[spec.dtype]}
+        weights = str(extra.get("weights_sha256") or "") or checkpoint_weights_sha256(mc.model, mc.revision)
+        if not weights:
+            raise ValueError(f"PffsConnector: no weight files found for model {mc.model!r}: give "
+                             "kv_connector_extra_config.weights_sha256 (engine_bridge.weights_sha256_of_folder "
+                             "of its checkpoint folder)")
         self.model = {"name": str(extra.get("model_name") or mc.served_model_name or mc.model),
                       "revision": mc.revision or getattr(mc.hf_config, "_commit_hash", None),
-                      "config_sha256": hf_config_sha256(mc.hf_config)}
+                      "config_sha256": hf_config_sha256(mc.hf_config), "weights_sha256": weights}
         self.prefix_all = bool(extra.get("load_prefix", False))
         self.space = prefix_space(self.geometry, self.model)
         self._index: PrefixIndex | None = None
@@ -237,7 +244,7 @@ class PffsConnector(KVConnectorBase_V1):
             return
         first = len(plan.pages) - n
         ids = list(blocks.get_block_ids()[0][first:first + n])
-        job = LoadJob(request.request_id, plan.name, plan.pages[first:], ids, plan.digests)
+        job = LoadJob(request.request_id, plan.name, plan.pages[first:], ids, plan.digests, plan.trust)
         self._to_load.append(job)
         self._loading[request.request_id] = job
 
@@ -313,7 +320,10 @@ class PffsConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         order = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
         views = [kv_caches[n] for n in self.layer_names]
-        pool = self._pool = VllmKVPool(views, order, self._kv_cache_config.num_blocks)
+        packing = engine_packing(self._vllm_config, self.layer_names, views[0].shape[2],
+                                 views[0].shape[3] // 2, views[0].dtype)
+        pool = self._pool = VllmKVPool(views, order, self._kv_cache_config.num_blocks, packing=packing)
+        log.info("pffs: KV pages converted from vLLM's %s packing (%s)", packing.name, order)
         load_pool: KVPool = pool
         if self.tp > 1:
             import torch.distributed as dist
@@ -371,7 +381,7 @@ class PffsConnector(KVConnectorBase_V1):
                 manifest = prefix_manifest(self.geometry, self.model, job.digests)
                 nbytes = parse(manifest).page_bytes
                 src = BlobSource(manifest, [nbytes] * len(job.digests), self._store())
-            bridge.load_into(src, job.page_ixs, job.block_ids)
+            bridge.load_into(src, job.page_ixs, job.block_ids, trust_unfingerprinted=job.trust)
             log.info("request %s: loaded %d pages (%d bytes) of %r in %.3f s", job.req_id,
                      len(job.page_ixs), len(job.page_ixs) * bridge.pool.page_bytes, job.name,
                      time.perf_counter() - t0)

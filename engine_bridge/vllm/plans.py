@@ -24,7 +24,7 @@ from typing import Any
 
 from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, check_manifest, read_manifest
 from engine_bridge.core.pool import DEFAULT_KV
-from engine_bridge.errors import BridgeError
+from engine_bridge.errors import BridgeError, Unfingerprinted
 from engine_bridge.transport.choose import as_source
 from pffs.client.chainkeys import chain_keys, manifest_namespace
 from pffs.errors import PffsError
@@ -32,6 +32,9 @@ from pffs.manifest import LogicalSeq, Manifest
 from pffs.types import Digest
 
 SAVE, LOAD = "pffs_save", "pffs_load"
+#: A request field (true) loading a session whose manifest does not say which
+#: weights wrote it (no ``model.weights_sha256``): the caller trusts it.
+TRUST = "pffs_trust"
 #: A request field (true) asking for the longest indexed prefix of the prompt.
 PREFIX = "pffs_load_prefix"
 #: The manifest's top-level field naming what else than tokens a request's KV
@@ -91,6 +94,7 @@ class LoadPlan:
     failed: int = 0                 # pages of a load that failed (none is tried after it)
     admitting: bool = False         # the scheduler asked what can be loaded; blocks come next
     digests: list[str] | None = None    # a prefix found by tokens: page i is blob digests[i]
+    trust: bool = False             # the request trusts a session without a weights fingerprint
 
 
 def seq_of(manifest: Manifest, seq_id: Any) -> LogicalSeq:
@@ -110,14 +114,19 @@ def plan_load(root: Path, name: Any, params: dict[str, Any], prompt: list[int], 
     """Read and check session *name*'s manifest, and match *prompt* to its tokens.
 
     At most the prompt less its last token is loaded (vLLM computes that one
-    to sample); only whole pages.  A refusal is ``plan.error``, one line."""
-    plan = LoadPlan(str(name))
+    to sample); only whole pages.  A session whose manifest has no weights
+    fingerprint loads only when the request says ``"pffs_trust": true``.
+    A refusal is ``plan.error``, one line."""
+    plan = LoadPlan(str(name), trust=params.get(TRUST) is True)
     try:
         folder = session_path(root, name)
         if not folder.is_dir():
             raise ValueError(f"{folder}: no such file or folder")
         manifest = read_manifest(as_source(folder))
-        check_manifest(manifest, geometry, DEFAULT_KV, model)
+        try:
+            check_manifest(manifest, geometry, DEFAULT_KV, model, trust_unfingerprinted=plan.trust)
+        except Unfingerprinted as e:
+            raise Unfingerprinted(e.engine, f'"{TRUST}": true in kv_transfer_params') from None
         why = inputs_differ(manifest.extra.get(INPUTS), inputs)
         if why:
             raise ValueError(why)

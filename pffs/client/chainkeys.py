@@ -20,8 +20,9 @@ A page's key is SGLang's HiCache storage key.  Matched against SGLang
   :func:`sglang_seed` of them.
 
 Keys live in a namespace (:func:`key_namespace`): the same tokens under
-another model, dtype, geometry or KV convention are other bytes, so an index
-keeps keys per namespace and a key never matches across namespaces.
+another model (other weights included), dtype, geometry or KV convention are
+other bytes, so an index keeps keys per namespace and a key never matches
+across namespaces.
 """
 
 from __future__ import annotations
@@ -85,12 +86,18 @@ def sglang_seed(extra_key: str | None = None, cache_salt: str | None = None) -> 
 
 def model_identity(model: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """What names a model in a key namespace: its config's sha256 where the manifest
-    gives one (names differ between hubs and mirrors), else its name and revision."""
+    gives one (names differ between hubs and mirrors), else its name and revision;
+    with its weights' fingerprint (``weights_sha256``) where it gives one.  A model
+    without a fingerprint is in namespaces of its own: never one an engine looks in."""
     if not model:
         return None
     if model.get("config_sha256"):
-        return {"config_sha256": model["config_sha256"]}
-    return {"name": model.get("name"), "revision": model.get("revision")}
+        ident = {"config_sha256": model["config_sha256"]}
+    else:
+        ident = {"name": model.get("name"), "revision": model.get("revision")}
+    if model.get("weights_sha256"):
+        ident["weights_sha256"] = model["weights_sha256"]
+    return ident
 
 
 def key_namespace(model: Mapping[str, Any] | None, dtype: str, n_layers: int, n_heads: int,
