@@ -313,3 +313,14 @@ def test_the_legacy_interface_stores_and_loads_the_same_pages(mount_factory, lay
         assert torch.equal(dk, k) and torch.equal(dv, v)
     with hicache(mnt) as v1:
         assert v1.host_page_bytes(v1.prefetch(tokens)) == pages
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_cache_is_refused_by_kind(mount_factory, dtype):
+    """SGLang's fp8 KV cache: refused at start in one line that says fp8 (its
+    scales are not carried), not by its storage dtype."""
+    mnt = mount_factory()
+    with pytest.raises(ValueError, match=r"pffs HiCache storage: an fp8 KV cache \(.*\) is not supported"):
+        with sglang_cpu.make_hicache(page_size=16, n_layers=2, n_heads=4, head_dim=64, dtype=dtype,
+                                     storage_backend="dynamic", backend_extra_config=backend(mnt)):
+            pass

@@ -145,6 +145,9 @@ class PffsHiCacheStorage(HiCacheStorage):
         if not all(hasattr(host, a) for a in ("head_num", "head_dim", "layer_num", "kv_buffer")):
             raise ValueError(f"pffs HiCache storage: a {type(host).__name__} host pool is not an MHA "
                              "pool of K and V")
+        if host.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"pffs HiCache storage: an fp8 KV cache ({host.dtype}) is not supported: "
+                             "its scales are not carried")
         if host.dtype not in DTYPE_NAMES:
             raise ValueError(f"pffs HiCache storage: KV dtype {host.dtype} is not one pages hold")
         super().register_mem_pool_host(host)
