@@ -33,11 +33,12 @@ numpy copies, crc32) releases the GIL, so callers run it in worker threads.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import struct
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import zstandard
@@ -464,12 +465,38 @@ def decode_into(frame, out, *, check_crc: bool = True) -> int:
     return hdr.raw_len
 
 
-def decode_into_checked(frame, out, name: bytes) -> tuple[int, bool]:
+def decode_into_checked(frame, out, name: bytes, *, rehash: bool = False) -> tuple[int, bool]:
     """:func:`decode_into`, and whether what it wrote is checked to be the blob
     *name* (a sha256): a named frame must name it (CodecError otherwise) and
     its crc32 is checked; an unnamed frame's bytes are not checked at all,
-    for a caller that then hashes them."""
-    if not check_name(frame, name):
+    for a caller that then hashes them.  *rehash* (``-o verify=sha256``):
+    the sha256 of the bytes written must be *name*, named frame or not."""
+    named = check_name(frame, name)
+    if not rehash and not named:
         return decode_into(frame, out, check_crc=False), False
-    n = decode_into(frame, out)
-    return n, n == len(memoryview(out).cast("B"))
+    dst = memoryview(out).cast("B")
+    n = decode_into(frame, dst, check_crc=not rehash)
+    if n != len(dst):
+        return n, False
+    if rehash and hashlib.sha256(dst).digest() != name:
+        raise CodecError("sha256 of the stored bytes does not match its name")
+    return n, True
+
+
+def frame_extent(hdr: FrameHeader, pread: Callable[[int, int], bytes]) -> int | None:
+    """The size in bytes a frame with header *hdr* must have, from its layout
+    (``pread(n, offset)`` reads the frame), or None where its codec does not
+    say without decoding (zstd-N: one zstd frame).  A planes-zstd frame costs
+    two reads of 4 bytes: its planes' lengths.  So a truncated frame is found
+    without reading its payload (``pffs check``, a frame a put would reuse)."""
+    if hdr.codec.id == CODEC_RAW:
+        return hdr.payload_at + hdr.raw_len
+    if hdr.codec.id != CODEC_PLANES_ZSTD:
+        return None
+    at = hdr.payload_at
+    for _ in range(2):
+        got = pread(4, at)
+        if len(got) < 4:
+            return at + 4      # (shorter than that: truncated whatever the plane holds)
+        at += 4 + _PLANE_LEN.unpack(got)[0]
+    return at + (hdr.raw_len & 1)

@@ -298,6 +298,53 @@ def test_the_sql_check_sees_calls_and_statements(tmp_path):
     assert [what for _line, what in _sql_in(src)] == [".execute()", "'DELETE FROM'", "'SELECT 1'"]
 
 
+#: The one module that says which blobs are referenced (the gc roots).
+REFERENCES = "pffs/namespace/references.py"
+#: The tables whose rows reference blobs: a query of all three is that rule.
+ROOT_TABLES = ("blocks", "manifest_pages", "cached_keys")
+
+
+def _reference_rules_in(path: Path) -> list[str]:
+    """The functions and module-level assignments of *path* whose SQL (every
+    string literal in them that holds a query) names every one of ROOT_TABLES."""
+    import re
+    tree = ast.parse(path.read_text(), str(path))
+    units = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    units += [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))]
+    found = []
+    for unit in units:
+        sql = " ".join(n.value for n in ast.walk(unit) if isinstance(n, ast.Constant)
+                       and isinstance(n.value, str) and re.search(r"\b(SELECT|DELETE|UPDATE)\b", n.value))
+        if all(re.search(rf"\b{table}\b", sql) for table in ROOT_TABLES):
+            found.append(f"{path.relative_to(path.parents[1])}:{unit.lineno}")
+    return found
+
+
+def test_which_blobs_are_referenced_is_written_once():
+    """gc, check, du, stats and the bucket's lease ask pffs/namespace/references.py
+    which blobs are referenced; no other module writes that rule again."""
+    found = [where for p in sorted((ROOT / "pffs").rglob("*.py")) if p != ROOT / REFERENCES
+             for where in _reference_rules_in(p)]
+    assert found == []
+    assert _reference_rules_in(ROOT / REFERENCES)
+
+
+def test_the_reference_check_sees_a_rule_spread_over_one_function(tmp_path):
+    """(The check itself: three lookups in one function are a copy of the rule;
+    one table's query alone, or a word in a docstring, is not.)"""
+    src = tmp_path / "pkg" / "m.py"
+    src.parent.mkdir()
+    src.write_text('def named(c, d):\n'
+                   '    """Held by blocks, manifest_pages or cached_keys."""\n'
+                   '    return (c.execute("SELECT 1 FROM blocks WHERE blob=?", (d,)).fetchone()\n'
+                   '            or c.execute("SELECT 1 FROM manifest_pages WHERE digest=?", (d,)).fetchone()\n'
+                   '            or c.execute("SELECT 1 FROM cached_keys WHERE digest=?", (d,)).fetchone())\n'
+                   'Q = "SELECT digest FROM cached_keys"\n'
+                   'def doc():\n'
+                   '    """blocks, manifest_pages and cached_keys."""\n')
+    assert _reference_rules_in(src) == ["pkg/m.py:1"]
+
+
 #: Where a part must arrive through constructors only: nothing assigns a
 #: collaborator into another object after it was built.
 BUILT_WHOLE = ("pffs/fs", "pffs/live", "pffs/daemon", "pffs/bucket/lease.py")

@@ -84,3 +84,23 @@ def test_kill9_during_copy_keeps_every_closed_file(mount_factory, bf16_pages, tm
     assert r.returncode == 0, r.stdout
     assert f"{PAGE_SESSIONS} sessions" in r.stdout
     assert repaired == 0, "check found damage after a kill -9"
+
+
+def test_mount_right_after_kill9_cleans_up_the_dead_mount(mount_factory):
+    """A service manager restarts pffs at once: the dead mount left by kill -9 is
+    cleaned up by the next mount, even while the kernel still holds the mount
+    point's attributes (cached for 10 s)."""
+    m = mount_factory()
+    (m.path / "kept").write_bytes(b"written before the kill\n")
+    os.stat(m.path)         # the mount point's attributes, now in the kernel's cache
+    m.proc.send_signal(signal.SIGKILL)
+    m.proc.wait(30)
+    m.proc = None
+    m._stderr.close()
+    # No unmount and no waiting in between; `pffs mount` returns once it serves.
+    pffs("mount", "--store", m.store, m.path)
+    try:
+        assert (m.path / "kept").read_bytes() == b"written before the kill\n"
+    finally:
+        pffs("umount", m.path)
+    assert "cleaning up a mount left by a dead daemon" in m.log_text()

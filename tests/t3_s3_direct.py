@@ -58,6 +58,7 @@ def test_page_out_and_in_through_the_bucket_take_a_few_fuse_requests(weed, s3_mo
     assert access is not None and access.kind == "s3", "the S3 mount offers the direct path"
     info = json.loads((m / ".pffs" / "store.json").read_text())
     assert info["kind"] == "s3" and info["direct"] is True and "secret_key" not in json.dumps(info)
+    assert info["verify"] == "sha256" and access.blobs().verify == "sha256"    # (an S3 store's default)
     pool = pool_of(256, seed=3)
     br = bridge_of(pool)
     seq = one_seq(pool)

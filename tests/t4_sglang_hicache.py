@@ -324,3 +324,31 @@ def test_an_fp8_cache_is_refused_by_kind(mount_factory, dtype):
         with sglang_cpu.make_hicache(page_size=16, n_layers=2, n_heads=4, head_dim=64, dtype=dtype,
                                      storage_backend="dynamic", backend_extra_config=backend(mnt)):
             pass
+
+
+def test_a_damaged_page_is_stored_again_by_its_next_write_through(mount_factory):
+    """A page whose blob is damaged is a miss; the read sets the blob aside, so
+    SGLang's write-through of the page computed again stores it afresh, and a
+    later prefetch hits every page, byte for byte."""
+    mnt = mount_factory()
+    tokens = SEQS[0]
+    with hicache(mnt) as hc:
+        k, v = sglang_cpu.random_kv(hc, len(tokens), seed=31)
+        hc.insert(tokens, k, v)
+        hc.wait_storage_writes()
+        space = hc.storage.space
+    want = sglang_cpu.contract_page_bytes(k, v, 16)
+    keys = ck.chain_keys(tokens, 16)
+    second = longest_prefix(mnt.path, space, keys, touch=False)[1]
+    path = StoreDir(mnt.store).blobs.path(second)
+    frame = bytearray(path.read_bytes())
+    frame[len(frame) // 2] ^= 0x40
+    path.write_bytes(bytes(frame))
+    with hicache(mnt) as hc:
+        assert hc.host_page_bytes(hc.prefetch(tokens)) == want[:1]     # cut at the damaged page
+    with hicache(mnt) as hc:                                           # computed again, written through
+        hc.insert(tokens, k, v)
+        assert all(w.complete for w in hc.wait_storage_writes())
+    with hicache(mnt) as hc:
+        assert hc.host_page_bytes(hc.prefetch(tokens)) == want
+    assert StoreDir(mnt.store).blobs.get(second, rehash=True) == want[1]

@@ -103,7 +103,7 @@ class Engine:
     """
 
     def __init__(self, tmp: Path, root: Path, *, layout: str = "LBNHC", kernel: int | None = None,
-                 extra: dict[str, Any] | None = None):
+                 extra: dict[str, Any] | None = None, policy: str = "recompute"):
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
@@ -111,7 +111,8 @@ class Engine:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
         init_none_hash(sha256)
-        self.cfg = vllm_config(tmp, layout=layout, extra={"root": str(root), **(extra or {})})
+        self.cfg = vllm_config(tmp, layout=layout, extra={"root": str(root), **(extra or {})},
+                               policy=policy)
         self.views, self.kcc = kv_views(self.cfg, layout=layout, kernel_block_size=kernel)
         self.cfg.cache_config.num_gpu_blocks = self.kcc.num_blocks
         self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kcc, log_stats=False,

@@ -168,7 +168,8 @@ class WarmPages:
             frame, _ = fetch_frame(blobs, bucket, Digest(d))
             # (a frame without a name would be decoded unchecked: left to the load)
             checked = codec_mod.read_header(frame).named and \
-                codec_mod.decode_into_checked(frame, out, digest_bytes(Digest(d)))[1]
+                codec_mod.decode_into_checked(frame, out, digest_bytes(Digest(d)),
+                                              rehash=blobs.verify == "sha256")[1]
         except (PffsError, CodecError, OSError):
             checked = False     # (the load says what is wrong with it, naming its page)
         n = len(out)

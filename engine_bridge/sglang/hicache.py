@@ -17,8 +17,11 @@ a pffs mount that store, through the token-chain index (SPEC §7,
 A page is the SPEC §1 page (K then V, each ``[layers, tokens, heads,
 head_dim]``): SGLang's ``page_first_direct`` host layout holds it as two
 contiguous halves; ``page_first`` and ``layer_first`` are converted on the way.
-Every page read is checked against its sha256: a missing or damaged blob is a
-miss (False), never wrong bytes.
+Every page read is checked as the mount's reads are (the frame's name and
+crc32, or its sha256 where the mount says ``-o verify=sha256``): a missing or
+damaged blob is a miss (False), never wrong bytes.  A damaged blob is set
+aside, and a write-through of its key stores the page again instead of
+skipping it, so the damage heals.
 
 Attach it with SGLang's dynamic backend (``docs/engines.md``)::
 
@@ -261,7 +264,7 @@ class PffsHiCacheStorage(HiCacheStorage):
         out = staging.numpy().data
         try:
             frame, cached = fetch_frame(self.blobs, self.access.bucket, d)
-            n, checked = decode_page(self.access.bucket, 0, d, frame, cached, out)
+            n, checked = decode_page(self.blobs, self.access.bucket, 0, d, frame, cached, out)
             if n != self.page_bytes or (not checked and digest_of(out) != d):
                 log.warning("pffs HiCache storage: blob %s is not a page of this geometry or is "
                             "damaged: a miss", d)
@@ -299,6 +302,7 @@ class PffsHiCacheStorage(HiCacheStorage):
     # -- writes -------------------------------------------------------------------
 
     def _put_page(self, src: torch.Tensor, batch: Any) -> Digest:
+        """Store the page *src* (durable when this returns where *batch* is None)."""
         staging = self._staging()
         self._typed(staging).copy_(src)
         data = staging.numpy().data
@@ -321,27 +325,38 @@ class PffsHiCacheStorage(HiCacheStorage):
         try:
             # Pages the store holds by these keys already (a session's, or stored
             # before) are not stored again: no key-only row for a session's page.
-            held = len(self._found(keys, touch=False))
+            found = self._found(keys, touch=False)
         except PffsError:
-            held = 0
-        if held == len(keys):
+            found = []
+        held = len(found)
+        # Those from the first whose blob is not stored (a read found it damaged
+        # and set it aside, or it went) are written again: the damage heals.
+        good = self._stored_run(found)
+        if good == len(keys):
             return [True] * len(keys)
         gc = gc_lock(self.access.root) if self.access.bucket is None else None
         pins = gc.pin() if gc is not None else None
         try:
-            rest = views()[held:]
+            pages = views()
             batch = self.blobs.batch()
             hold = gc.hold_shared() if gc is not None else None
             try:
-                digests = list(self._threads.map(lambda v: self._put_page(v, batch), rest))
+                # (Healed pages are durable at once: the mount knows their blob rows
+                # already, so its adoption of the new ones would not sync them.)
+                healed = list(self._threads.map(lambda v: self._put_page(v, None), pages[good:held]))
+                if healed:
+                    log.info("pffs HiCache storage: %d damaged or missing pages stored again", len(healed))
+                digests = list(self._threads.map(lambda v: self._put_page(v, batch), pages[held:]))
                 if pins is not None:
-                    pins.add(digests)
+                    pins.add(healed + digests)
             finally:
                 if hold is not None:
                     hold.release()
             if self.access.bucket is not None:
                 batch.sync()        # (every upload in the bucket before the mount looks)
-            cache_blobs(self.mount, self.space, list(zip(keys[held:], digests)))
+            # (A page computed again to other bytes is kept by its key too.)
+            changed = [(k, d) for k, d, was in zip(keys[good:held], healed, found[good:held]) if d != was]
+            cache_blobs(self.mount, self.space, changed + list(zip(keys[held:], digests)))
             return [True] * len(keys)
         except (PffsError, OSError, ValueError) as e:
             log.warning("pffs HiCache storage: set of %d pages failed: %s", len(keys), e)
@@ -349,6 +364,16 @@ class PffsHiCacheStorage(HiCacheStorage):
         finally:
             if pins is not None:
                 pins.close()
+
+    def _stored_run(self, found: list[Digest]) -> int:
+        """How many of the blobs *found* by key, from the first, the store holds
+        (a local store: one stat each; a bucket is trusted, never asked)."""
+        if self.access.bucket is not None:
+            return len(found)
+        for i, d in enumerate(found):
+            if not self.blobs.contains(d):
+                return i
+        return len(found)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:

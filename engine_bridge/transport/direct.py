@@ -44,6 +44,7 @@ from typing import Any
 from engine_bridge.errors import DamagedPage, PageOutError
 from engine_bridge.transport.folders import DirSource, new_session_place, rename_noreplace
 from engine_bridge.transport.mountinfo import StoreAccess, getxattr
+from engine_bridge.transport.save_names import BadName, save_place
 from engine_bridge.transport.store_blobs import decode_page, fetch_frame
 from pffs import codec as codec_mod
 from pffs.client.access import PUT_FIRST_MAX, gc_lock
@@ -81,6 +82,11 @@ class DirectSink:
     concurrent = True
 
     def __init__(self, dest: str | os.PathLike, access: StoreAccess):
+        # The name's rules, and its folder reached beneath the mount without a link.
+        try:
+            save_place(access.mountpoint, os.path.relpath(os.path.abspath(dest), access.mountpoint))
+        except BadName as e:
+            raise BadName(f"{dest}: {e}") from None
         self.dest, self.tmp = new_session_place(dest)
         self.access = access
         self.blobs = access.blobs()
@@ -292,7 +298,7 @@ class DirectSource:
             return self.mount.read_page_into(ix, out), None
         try:
             frame, cached = self._frame(ix, d)
-            n, checked = decode_page(self.bucket, ix, d, frame, cached, out)
+            n, checked = decode_page(self.blobs, self.bucket, ix, d, frame, cached, out)
             return n, d if checked else None
         except MissingBlob:
             return self.mount.read_page_into(ix, out), None   # (its file went since: the mount says so)

@@ -10,6 +10,8 @@ served beside the FUSE loop.  Anything else (not a pffs mount,
 ``engines/``, a store limit, another host, a uid without access to the
 store folder, a bucket this process cannot reach, ``PFFS_DIRECT=0``) goes
 through the mount; a reason worth knowing is logged once per mount.
+Reads beside the mount check what the mount's reads check (``verify`` in
+``.pffs/store.json``: :attr:`StoreAccess.verify`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from pathlib import Path
 from typing import Callable
 
 from pffs import codec as codec_mod
-from pffs.client.access import Blobs, NoDirectAccess, S3BlobStore, local_blobs, local_store_root, open_bucket
+from pffs.client.access import (
+    Blobs,
+    NoDirectAccess,
+    S3BlobStore,
+    local_blobs,
+    local_store_root,
+    open_bucket,
+    verify_of,
+)
 from pffs.names import CONTROL_DIR, DIRECT_PROTOCOL, ENGINES_DIR, FSTYPE, STORE_XATTR
 
 log = logging.getLogger("engine_bridge.transport.mountinfo")
@@ -44,10 +54,16 @@ class StoreAccess:
     def kind(self) -> str:
         return "local" if self.bucket is None else "s3"
 
+    @property
+    def verify(self) -> str:
+        """What a read of the store checks: what the mount's reads check (its
+        ``-o verify=``, said in ``.pffs/store.json``; pffs.client.access.verify_of)."""
+        return verify_of(self.info)
+
     def blobs(self) -> Blobs:
         if self.bucket is not None:
             return self.bucket
-        return local_blobs(self.root, codec=self.codec)
+        return local_blobs(self.root, codec=self.codec, verify=self.verify)
 
 
 _lock = threading.Lock()
@@ -174,3 +190,23 @@ def _probe(mp: str) -> StoreAccess | str:
     except NoDirectAccess as e:
         return str(e)
     return StoreAccess(mp, root, info.get("codec") or codec_mod.DEFAULT_CODEC, info)
+
+
+def mounted_store(path: str | os.PathLike) -> tuple[str, str] | None:
+    """(mount point, the identity of its store) of the pffs mount holding *path*
+    (``/proc/self/mountinfo`` and one xattr request), None where no pffs mount
+    holds it; OSError where the mount does not answer (a daemon killed).
+
+    The identity (a local store's folder device and inode, an S3 store's URL)
+    is the same for every mount of one store, whatever its daemon or device.
+    """
+    found = pffs_mount_of(path)
+    if found is None:
+        return None
+    mp = found[0]
+    try:
+        info = json.loads(getxattr(mp, STORE_XATTR))
+    except ValueError:
+        info = {}
+    ident = [str(info.get(k)) for k in ("kind", "url", "dev", "ino") if info.get(k) is not None]
+    return mp, ":".join(ident) or "?"

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from engine_bridge.errors import DamagedPage
 from engine_bridge.transport.mountinfo import StoreAccess
 from pffs import codec as codec_mod
-from pffs.client.access import Blobs, S3BlobStore
+from pffs.client.access import Blobs, LocalBlobStore, S3BlobStore
 from pffs.errors import CodecError, MissingBlob, PffsError
 from pffs.manifest import page_name, parse
 from pffs.types import Digest, digest_bytes, digest_of
@@ -28,21 +28,26 @@ def fetch_frame(blobs: Blobs, bucket: "S3BlobStore | None", d: Digest) -> tuple[
     return bucket.download(d), False
 
 
-def decode_page(bucket: "S3BlobStore | None", ix: int, d: Digest, frame: bytes, cached: bool,
-                out: memoryview) -> tuple[int, bool]:
+def decode_page(blobs: Blobs, bucket: "S3BlobStore | None", ix: int, d: Digest, frame: bytes,
+                cached: bool, out: memoryview) -> tuple[int, bool]:
     """Decode page *ix*'s *frame* into *out*: (its length, whether the bytes are
     checked to be blob *d*: pffs.codec.decode_into_checked; else the bridge
-    hashes them).  A damaged frame of the mount's cache is downloaded again,
-    since the bucket has the blob."""
+    hashes them).  Where the mount verifies by sha256 (``blobs.verify``, from
+    ``.pffs/store.json``), so does this.  A damaged frame of the mount's cache
+    is downloaded again, since the bucket has the blob; a damaged blob of a
+    local store is set aside, so the next write of its bytes heals it."""
     name = digest_bytes(d)
+    rehash = blobs.verify == "sha256"
     try:
-        return codec_mod.decode_into_checked(frame, out, name)
+        return codec_mod.decode_into_checked(frame, out, name, rehash=rehash)
     except CodecError as e:
         if not cached or bucket is None:
+            if isinstance(blobs, LocalBlobStore):
+                blobs.set_aside(d, str(e))
             raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
     frame = bucket.download(d)
     try:
-        return codec_mod.decode_into_checked(frame, out, name)
+        return codec_mod.decode_into_checked(frame, out, name, rehash=rehash)
     except CodecError as e:
         raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
 
@@ -115,7 +120,7 @@ class BlobSource:
                 return n, d
         try:
             frame, cached = fetch_frame(self.blobs, self.bucket, d)
-            n, checked = decode_page(self.bucket, ix, d, frame, cached, out)
+            n, checked = decode_page(self.blobs, self.bucket, ix, d, frame, cached, out)
             return n, d if checked else None
         except MissingBlob:
             raise DamagedPage(ix, f"its blob {d} is not in the store") from None

@@ -8,8 +8,10 @@ A request names what it wants in ``kv_transfer_params``:
   Its blocks stay held until the page-out is done, then vLLM frees them.
   The response says the save is *scheduled*; it ends, without any further
   step of the engine, with ``ROOT/NAME`` appearing whole, or with
-  ``ROOT/NAME.save-failed`` holding one line that says why
-  (``pffs wait ROOT/NAME`` waits for either).
+  ``ROOT/NAME.save-failed`` holding one line that says why (kept outside
+  the mount where it went away: pffs.client.wait; ``pffs wait ROOT/NAME``
+  waits for either).  A name is checked when the request arrives
+  (engine_bridge.transport.save_names).
 - ``{"pffs_load_prefix": true}`` (or ``load_prefix`` in the connector's
   config: every request without a name): the longest run of the prompt's
   full pages that the mount's token-chain index holds, whichever sessions
@@ -55,7 +57,8 @@ from engine_bridge.core.bridge import Bridge, SeqBlocks
 from engine_bridge.core.identity import checkpoint_weights_sha256, hf_config_sha256
 from engine_bridge.core.pool import DTYPE_NAMES, BlockId, KVPool, VllmKVPool
 from engine_bridge.errors import BridgeError
-from engine_bridge.transport.mountinfo import StoreAccess, store_access
+from engine_bridge.transport.mountinfo import StoreAccess, mounted_store, store_access
+from engine_bridge.transport.save_names import save_place
 from engine_bridge.transport.store_blobs import BlobSource
 from engine_bridge.vllm.kinds import refused_kind
 from engine_bridge.vllm.lanes import HeadSlicePool, Lane, join_slices, wait_lanes
@@ -74,7 +77,7 @@ from engine_bridge.vllm.plans import (
     session_path,
 )
 from pffs.client.prefix_lookup import PrefixIndex
-from pffs.client.wait import failure_record
+from pffs.client.wait import failure_record, forget_failure, record_failure
 from pffs.manifest import parse
 
 if TYPE_CHECKING:
@@ -131,7 +134,9 @@ class PffsConnector(KVConnectorBase_V1):
     tokens, default true; without them a session cannot be loaded by
     prompt), ``model_name`` (default the model vLLM serves), ``save_nice``
     and ``load_nice`` (the lanes' nice values, default 0 and 15: a load
-    yields the cores to the step, a save does not).
+    yields the cores to the step, a save does not), ``load_failure``
+    (``recompute``, the default, or ``fail``: vLLM's ``kv_load_failure_policy``
+    is set from it).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -174,9 +179,19 @@ class PffsConnector(KVConnectorBase_V1):
                       "revision": mc.revision or getattr(mc.hf_config, "_commit_hash", None),
                       "config_sha256": hf_config_sha256(mc.hf_config), "weights_sha256": weights}
         self.prefix_all = bool(extra.get("load_prefix", False))
+        # What vLLM does with a request whose load failed: its scheduler reads the
+        # policy once it made this connector, and cannot tell its default ("fail":
+        # the request ends with an error and no pffs_error) from a choice, so the
+        # connector sets it from its own key.
+        policy = str(extra.get("load_failure", "recompute"))
+        if policy not in ("recompute", "fail"):
+            raise ValueError(f"PffsConnector: load_failure {policy!r} is neither 'recompute' nor 'fail'")
+        self._kv_transfer_config.kv_load_failure_policy = policy  # type: ignore[assignment]
         self.space = prefix_space(self.geometry, self.model)
         self._index: PrefixIndex | None = None
         self._access: StoreAccess | None = None
+        # (mount point, store) the root is in at start; every save and load checks it still is.
+        self._home = self._bind_mount()
         # Scheduler side.
         self._plans: dict[str, LoadPlan] = {}
         self._to_load: list[LoadJob] = []
@@ -213,6 +228,10 @@ class PffsConnector(KVConnectorBase_V1):
         if name is None and not by_prefix:
             return 0, False
         plan = self._plans.get(request.request_id)
+        gone = self._mount_gone() if plan is None else None
+        if gone:
+            plan = self._plans[request.request_id] = LoadPlan(str(name), error=f"{LOAD if name else PREFIX}: {gone}")
+            log.warning("request %s: %s", request.request_id, plan.error)
         if plan is None:
             prompt = list(request.prompt_token_ids or ())
             if by_prefix:
@@ -286,7 +305,10 @@ class PffsConnector(KVConnectorBase_V1):
             return False, out or None
         n = min(request.num_computed_tokens, max(0, request.num_tokens - 1))
         try:
-            path = session_path(self.root, name)
+            gone = self._mount_gone()
+            if gone:
+                raise ValueError(gone)
+            path = save_place(self.root, name)
             if n <= 0 or not block_ids:
                 raise ValueError("the request has no computed tokens")
             if path in (session_path(self.root, s) for s in self._saving.values()) \
@@ -297,6 +319,7 @@ class PffsConnector(KVConnectorBase_V1):
             stale = failure_record(path)
             if os.path.lexists(stale):
                 os.unlink(stale)    # (an earlier save's failure: this one's outcome is to come)
+            forget_failure(path)
         except (OSError, ValueError) as e:
             msg = f"{SAVE} {name!r}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
             out["pffs_error"] = out["pffs_error"] + "; " + msg if "pffs_error" in out else msg
@@ -375,6 +398,9 @@ class PffsConnector(KVConnectorBase_V1):
         assert bridge is not None
         try:
             t0 = time.perf_counter()
+            gone = self._mount_gone()
+            if gone:
+                raise ValueError(gone)
             if job.digests is None:
                 src: Any = session_path(self.root, job.name)
             else:       # (a prefix found by tokens: its blobs read by digest)
@@ -398,6 +424,10 @@ class PffsConnector(KVConnectorBase_V1):
         path = session_path(self.root, job.name)
         try:
             t0 = time.perf_counter()
+            gone = self._mount_gone()
+            if gone:
+                raise ValueError(gone)
+            save_place(self.root, job.name)     # (again: a link put on the way since it was scheduled)
             if self._group is not None:
                 joined = join_slices(bridge.pool, blocks, self._group, self.tp, self._rank)
                 if joined is None:
@@ -415,18 +445,45 @@ class PffsConnector(KVConnectorBase_V1):
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
             line = f"{SAVE} {job.name!r}: {why}"
             log.error("request %s: %s", job.req_id, line)
-            self._record_failure(path, line)
+            self._record_failure(job.name, path, line)
 
-    @staticmethod
-    def _record_failure(path: Path, line: str) -> None:
-        """``NAME.save-failed`` beside where the session was to be: *line*."""
-        record = failure_record(path)
-        tmp = record.with_name(f".{record.name}.{os.getpid()}")
+    def _record_failure(self, name: str, path: Path, line: str) -> None:
+        """``NAME.save-failed`` beside where the session was to be: *line*; where
+        the mount went away, or its folder is no longer reached beneath the root
+        without a link, the record kept outside it (pffs.client.wait)."""
         try:
-            tmp.write_text(line + "\n")
-            os.replace(tmp, record)
+            try:
+                here = self._mount_gone() is None and bool(save_place(self.root, name))
+            except (OSError, ValueError):
+                here = False
+            record_failure(path, line, in_place=here)
+        except (OSError, ValueError) as e:
+            log.error("%s: cannot record the failure: %s", path, getattr(e, "strerror", None) or e)
+
+    def _bind_mount(self) -> tuple[str, str] | None:
+        """The pffs mount (and store) of the root at start; None: a plain folder."""
+        try:
+            home = mounted_store(self.root)
         except OSError as e:
-            log.error("%s: cannot record the failure: %s", record, e.strerror or e)
+            raise ValueError(f"PffsConnector: the pffs mount of {self.root} does not answer: "
+                             f"{e.strerror or e}") from None
+        if home is None:
+            log.warning("pffs: %s is in no pffs mount: sessions are plain folders there", self.root)
+        return home
+
+    def _mount_gone(self) -> str | None:
+        """Why the root is no longer in the pffs mount of the store it was in at start, or None."""
+        if self._home is None:
+            return None
+        try:
+            now = mounted_store(self.root)
+        except OSError as e:
+            return f"the pffs mount at {self._home[0]} does not answer ({e.strerror or e})"
+        if now is None:
+            return f"{self.root} is no longer in a pffs mount (unmounted)"
+        if now[1] != self._home[1]:
+            return f"{self.root} is now in a pffs mount of another store"
+        return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

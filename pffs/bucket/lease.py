@@ -185,7 +185,7 @@ class RemoteMount:
             return 0
         with self.db.writing() as conn:
             known = ns.known_blobs(conn, want)
-            held = _referenced(conn, known.keys())
+            held = ns.referenced_among(conn, known.keys())
         unknown = want - known.keys()
         unheld = set(known) - held
         if not unknown and not unheld:
@@ -208,29 +208,12 @@ class RemoteMount:
         return len(new)
 
 
-def _referenced(conn: sqlite3.Connection, digests) -> set[str]:
-    """Which of *digests* a file holds or a manifest lists in this namespace."""
-    out: set[str] = set()
-    uniq = list(digests)
-    for k in range(0, len(uniq), 400):
-        chunk = uniq[k:k + 400]
-        marks = ",".join("?" * len(chunk))
-        out.update(d for (d,) in conn.execute(
-            f"SELECT blob FROM blocks WHERE blob IN ({marks}) AND via IS NULL"
-            f" UNION SELECT digest FROM manifest_pages WHERE digest IN ({marks})"
-            f" UNION SELECT digest FROM cached_keys WHERE digest IN ({marks})", chunk * 3))
-    return out
-
-
 def _update_blob_rows(conn: sqlite3.Connection, new: list[ns.BlobRow], gone: list[str]) -> None:
     ns.insert_blob_rows(conn, new)
     for d in gone:
         # Only if still unreferenced: a commit since may have named it (and
         # then its own put or lookup found it stored).
-        conn.execute("DELETE FROM blobs WHERE digest=?"
-                     " AND NOT EXISTS (SELECT 1 FROM blocks WHERE blob=? AND via IS NULL)"
-                     " AND NOT EXISTS (SELECT 1 FROM manifest_pages WHERE digest=?)"
-                     " AND NOT EXISTS (SELECT 1 FROM cached_keys WHERE digest=?)", (d, d, d, d))
+        ns.drop_unreferenced_blob_row(conn, d)
 
 
 def attach(st: StoreDir, db: Database, *, cache_size: int, lease: str | None) -> RemoteMount:

@@ -30,13 +30,13 @@ from typing import Union
 from pffs import codec as codec_mod
 from pffs.errors import PffsError
 from pffs.store.framecache import PeekCache
-from pffs.store.local import LocalBlobStore
+from pffs.store.local import VERIFY_MODES, LocalBlobStore
 from pffs.store.s3 import PUT_FIRST_MAX, S3BlobStore
 from pffs.store.s3config import url_of
 from pffs.store.storedir import GC_INTENT_NAME, GC_LOCK_NAME, GcLock
 
 __all__ = ["Blobs", "GcLock", "LocalBlobStore", "NoDirectAccess", "PUT_FIRST_MAX", "S3BlobStore",
-           "gc_lock", "local_blobs", "local_store_root", "open_bucket"]
+           "gc_lock", "local_blobs", "local_store_root", "open_bucket", "verify_of"]
 
 #: The blobs of a mount's store, as a client opens them.
 Blobs = Union[LocalBlobStore, S3BlobStore]
@@ -77,9 +77,10 @@ def local_store_root(info: dict) -> Path:
     return root
 
 
-def local_blobs(root: str | os.PathLike, codec: str) -> LocalBlobStore:
-    """The blobs of the local store folder *root*, new ones written with *codec*."""
-    return LocalBlobStore(root, codec=codec)
+def local_blobs(root: str | os.PathLike, codec: str, verify: str = "crc32") -> LocalBlobStore:
+    """The blobs of the local store folder *root*, new ones written with *codec*,
+    each read checked as *verify* says (pffs.store.local.VERIFY_MODES)."""
+    return LocalBlobStore(root, codec=codec, verify=verify)
 
 
 def gc_lock(root: str | os.PathLike) -> GcLock:
@@ -112,4 +113,16 @@ def open_bucket(info: dict) -> S3BlobStore:
         bucket.server_time()  # one request: reachable, with these credentials
     except PffsError as e:
         raise NoDirectAccess(f"cannot reach the bucket as uid {os.getuid()}: {e}") from None
+    bucket.verify = verify_of(info)
     return bucket
+
+
+def verify_of(info: dict) -> str:
+    """What a client's reads of the store *info* (``.pffs/store.json``) describes
+    check: what the mount's reads check; a daemon that does not say checks
+    crc32 (sha256 for an S3 store: its default); a mode this client does not
+    know, sha256."""
+    v = info.get("verify")
+    if v in VERIFY_MODES:
+        return str(v)
+    return "sha256" if v is not None or info.get("kind") == "s3" else "crc32"

@@ -8,7 +8,7 @@ command returns 0 only once the filesystem answers.
 from __future__ import annotations
 
 import argparse
-import errno
+import contextlib
 import faulthandler
 import functools
 import logging
@@ -29,6 +29,7 @@ import trio
 
 from pffs import namespace
 from pffs.daemon import heap
+from pffs.daemon.mountpoint import check_mountpoint
 from pffs.errors import PffsError
 from pffs.fs.write_stage import journal_inode
 from pffs.manifest import MAX_MANIFEST_BYTES
@@ -62,6 +63,7 @@ class MountOptions:
     max_size: int | None = None
     prefix_cache_size: int = 4 << 30  # bytes of pages the key-only prefix cache keeps (SPEC §7)
     codec: str | None = None
+    verify: str | None = None  # what each read checks: crc32 (a local store's default) or sha256 (an S3 store's)
     staging_memory: int = 128 << 20
     snapshot_interval: float = 300.0
     snapshots_kept: int = 3
@@ -125,6 +127,11 @@ def parse_options(opts: list[str]) -> MountOptions:
                 except ValueError as e:
                     raise PffsError(str(e)) from None
                 o.codec = val
+            elif key == "verify":
+                from pffs.store.local import VERIFY_MODES
+                if val not in VERIFY_MODES:
+                    raise PffsError(f"verify= takes {' or '.join(VERIFY_MODES)}")
+                o.verify = val
             elif key == "staging_memory":
                 o.staging_memory = parse_size(val)
             elif key == "sync" and "=" in item:
@@ -151,27 +158,6 @@ def parse_options(opts: list[str]) -> MountOptions:
             else:
                 raise PffsError(f"unknown mount option {key!r}")
     return o
-
-
-def check_mountpoint(mp: Path) -> None:
-    """Refuse a missing or busy mount point; clean up one left dead by a killed daemon."""
-    try:
-        os.stat(mp)
-    except FileNotFoundError:
-        raise PffsError(f"{mp}: mount point does not exist") from None
-    except OSError as e:
-        if e.errno == errno.ENOTCONN:
-            log.info("%s: cleaning up a mount left by a dead daemon", mp)
-            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
-            os.stat(mp)
-        else:
-            raise PffsError(f"{mp}: {e.strerror}") from None
-    if not mp.is_dir():
-        raise PffsError(f"{mp}: mount point is not a directory")
-    if os.path.ismount(mp):
-        raise PffsError(f"{mp}: already a mount point")
-    if any(os.scandir(mp)):
-        raise PffsError(f"{mp}: mount point is not empty")
 
 
 def setup_logging(log_path: Path, foreground: bool) -> None:
@@ -264,31 +250,34 @@ class Daemon:
             raise PffsError("-o ro is for a local store (a mount of an S3 store keeps its lease in the bucket)")
         if not ro:
             st.create()
-        st.lock(f"pffs mount{' -o ro' if ro else ''} {mountpoint}")
-        reserve = st.reserve
-        if reserve is None:
-            raise RuntimeError("a mount's store holds a reserve (StoreDir(..., reserve=...))")
-        if not ro and opts.reserve > 0 and free_bytes(st.root) < opts.reserve // 4:
-            reserve.release()  # mounting a full store: room to open the database and delete
-        # A read-only mount serves a copy of the namespace (pffs.daemon.readonly).
-        private = None
-        if ro:
-            from pffs.daemon.readonly import PrivateNamespace
-            private = PrivateNamespace.copy(st)
-        db_root = st.root if private is None else private.folder
-        try:
-            return cls._open(st, mountpoint, opts, nursery, reserve=reserve, db_root=db_root,
-                             private=private, trim_heaps=trim_heaps)
-        except BaseException:
-            if private is not None:
-                private.remove()
-            raise
+        # Each part that opens says in *undo* how it closes: a step that fails
+        # closes, in reverse, what the steps before it opened.
+        with contextlib.ExitStack() as undo:
+            st.lock(f"pffs mount{' -o ro' if ro else ''} {mountpoint}")
+            undo.callback(st.unlock)
+            reserve = st.reserve
+            if reserve is None:
+                raise RuntimeError("a mount's store holds a reserve (StoreDir(..., reserve=...))")
+            if not ro and opts.reserve > 0 and free_bytes(st.root) < opts.reserve // 4:
+                reserve.release()  # mounting a full store: room to open the database and delete
+            # A read-only mount serves a copy of the namespace (pffs.daemon.readonly).
+            private = None
+            if ro:
+                from pffs.daemon.readonly import PrivateNamespace
+                private = PrivateNamespace.copy(st)
+                undo.callback(private.remove)
+            db_root = st.root if private is None else private.folder
+            daemon = cls._open(st, mountpoint, opts, nursery, undo, reserve=reserve, db_root=db_root,
+                               private=private, trim_heaps=trim_heaps)
+            undo.pop_all()      # built whole: Daemon.close closes it from now on
+        return daemon
 
     @classmethod
-    def _open(cls, st: StoreDir, mountpoint: Path, opts: MountOptions, nursery: trio.Nursery, *,
-              reserve: SpaceReserve, db_root: Path, private: PrivateNamespace | None,
-              trim_heaps: Callable[[], None] | None) -> Daemon:
-        """Daemon.open's work once the store is locked; its namespace in *db_root*."""
+    def _open(cls, st: StoreDir, mountpoint: Path, opts: MountOptions, nursery: trio.Nursery,
+              undo: contextlib.ExitStack, *, reserve: SpaceReserve, db_root: Path,
+              private: PrivateNamespace | None, trim_heaps: Callable[[], None] | None) -> Daemon:
+        """Daemon.open's work once the store is locked; its namespace in *db_root*.
+        What it opens, it closes through *undo* if a later step fails."""
         from pffs.fs import adoption as direct
         from pffs.fs.content import ContentStore, StoredBytes
         from pffs.fs.db import Database
@@ -330,6 +319,7 @@ class Daemon:
                 p.unlink()
         db = Database(db_root / namespace.DB_NAME,
                       on_full=reserve.release if opts.reserve > 0 and not ro else None)
+        undo.callback(db.close)
         if not ro:
             reserve.ensure()
         sync_on_close = opts.sync == "close" or st.url is not None
@@ -339,11 +329,13 @@ class Daemon:
         cache_size = opts.cache_size
         remote = None
         blobs = st.blobs
+        blobs.verify = opts.verify or ("sha256" if blobs.remote else "crc32")
         adopt: Callable[[Sequence[str]], Any]
         if blobs.remote:
             from pffs.bucket.lease import MEMORY_CACHE_MAX, attach
             # The registration in the bucket, before a request is served.
             remote = attach(st, db, cache_size=opts.cache_size, lease=opts.remote.get("lease"))
+            undo.callback(remote.stop)      # (the registration then says "unmounted")
             adopt = remote.adopt
             # A close mostly waits on the network: as many at once as there are
             # upload threads (the CPU work in them is small).
@@ -355,14 +347,17 @@ class Daemon:
         content = ContentStore(blobs, st.staging_dir, db=db, threads=threads, max_size=opts.max_size,
                                sync_on_close=sync_on_close, pending=pending, stored=counted,
                                gc_lock=st.gc_lock, adopt=adopt)
+        undo.callback(content.close)
         handlers = build(db, content, nursery=nursery, cache_size=cache_size,
                          staging_memory=opts.staging_memory, journal_fsync=st.url is None,
                          live_mount=str(mountpoint), socket_path=str(st.socket_path),
                          store_root=str(st.root),
                          store_json=direct.store_json(direct.store_info(st, opts.max_size, read_only=ro)),
                          read_only=ro, prefix_cache_size=opts.prefix_cache_size)
+        undo.callback(handlers.stop)
         assert handlers.engines is not None     # (live_mount given)
         live = LiveEngines.listen(st.socket_path, handlers.engines.registry)
+        undo.callback(live.close)
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {f"fsname=pffs:{st.root}", f"subtype={FS_SUBTYPE}", "default_permissions"}
         fuse_opts |= set(opts.kernel_flags)
@@ -371,9 +366,11 @@ class Daemon:
         if opts.allow_other:
             fuse_opts.add("allow_other")
         pyfuse3.init(handlers.ops, str(mountpoint), fuse_opts)
+        undo.callback(pyfuse3.close, unmount=True)
         if SPIN:
             pyfuse3.set_spin(spin_us() * 1000)
-        log.info("mounted %s on %s%s (pid %d)", st.root, mountpoint, " read-only" if ro else "", os.getpid())
+        log.info("mounted %s on %s%s (pid %d, reads verified by %s)", st.root, mountpoint,
+                 " read-only" if ro else "", os.getpid(), blobs.verify)
         return cls(st, mountpoint, opts, reserve=reserve, db=db, handlers=handlers, live=live,
                    remote=remote, journals=journals, private=private, trim_heaps=trim_heaps)
 

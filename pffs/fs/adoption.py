@@ -48,9 +48,10 @@ def store_info(store: StoreDir, max_size: int | None, *, read_only: bool = False
     A local store gives its folder; an S3 store its URL, the client options
     worth sharing (endpoint, region, addressing: never credentials, which a
     client brings itself) and the mount's cache folder, whose frames a
-    client on this host may read.
+    client on this host may read.  ``verify`` says what the mount's reads
+    check (``-o verify=``), so that a client's reads check the same.
     """
-    info: dict = {"protocol": DIRECT_PROTOCOL, "pid": os.getpid()}
+    info: dict = {"protocol": DIRECT_PROTOCOL, "pid": os.getpid(), "verify": store.blobs.verify}
     root = store.root
     st = os.stat(root)
     blobs = store.blobs

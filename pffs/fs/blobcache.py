@@ -11,7 +11,7 @@ import outcome
 import trio
 from pyfuse3 import FUSEError
 
-from pffs.errors import IntegrityError
+from pffs.errors import CorruptBlob, IntegrityError
 
 log = logging.getLogger("pffs.fs")
 
@@ -82,6 +82,10 @@ class BlobReader:
                                                  limiter=self.content.limiter)
         except IntegrityError as e:
             log.error("read %s: %s", self._path_of(ino), e)
+            if isinstance(e, CorruptBlob):
+                # (the next write of these bytes stores them afresh: the damage heals)
+                await trio.to_thread.run_sync(self.content.set_aside, digest, e.reason,
+                                              limiter=self.content.limiter)
             raise FUSEError(errno.EIO) from None
         finally:
             del self.loading[digest]

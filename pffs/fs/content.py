@@ -154,6 +154,11 @@ class ContentStore:
         self.adopt = adopt
         self.block_budget = BlockBudget(BLOCK_SIZE)
 
+    def close(self) -> None:
+        """Stop the commit and encode threads (a daemon whose start-up failed)."""
+        self.workers.stop()
+        self.encoders.shutdown()
+
     async def sync_pending(self) -> None:
         """Make every blob written so far durable (grouped fsyncs)."""
         if len(self.pending):
@@ -304,6 +309,12 @@ class ContentStore:
         """A blob's bytes, decoded and verified (a large one within the block budget;
         a large page in a read-only view: BlobStore.get_view)."""
         return self.blobs.get_view(digest, hold=self.block_budget.hold)
+
+    def set_aside(self, digest: Digest, why: str) -> None:
+        """In a worker thread: blob *digest*, which a read found damaged, moved
+        out of the way (BlobStore.set_aside), so the next write of its bytes
+        stores it afresh instead of keeping the damaged frame."""
+        self.blobs.set_aside(digest, why)
 
     def store_bytes(self, data, digest: str | None = None) -> BlobRow:
         """In a commit thread: store *data* as one blob now (a page a copy will

@@ -28,6 +28,7 @@ from pffs.namespace import (
     EMPTY_DIGEST,
     ROOT_INODE,
     files_holding,
+    iter_referenced_blobs,
     path_of,
     prefix_index,
     read_file,
@@ -43,7 +44,7 @@ class BlobStatus:
     on_disk: set[str] = field(default_factory=set)
     indexed: dict[str, tuple[int, int]] = field(default_factory=dict)  # digest -> (raw, stored)
     held: set[str] = field(default_factory=set)      # named by blocks rows
-    listed: set[str] = field(default_factory=set)    # named by manifest_pages rows
+    referenced: set[str] = field(default_factory=set)  # the gc roots (iter_referenced_blobs)
     bad: dict[str, str] = field(default_factory=dict)         # held blobs: missing, corrupt, wrong length
     corrupt_unheld: dict[str, str] = field(default_factory=dict)
     raw_len: dict[str, int] = field(default_factory=dict)     # raw length of every readable blob
@@ -95,8 +96,7 @@ def blob_status(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: b
     s.indexed = {d: (raw, stored) for d, raw, stored in
                  conn.execute("SELECT digest, raw_size, stored_size FROM blobs")}
     s.held = {d for (d,) in conn.execute("SELECT DISTINCT blob FROM blocks")}
-    s.listed = {d for (d,) in conn.execute("SELECT digest FROM manifest_pages UNION SELECT digest"
-                                           " FROM cached_keys")}
+    s.referenced = set(iter_referenced_blobs(conn))
     for d in s.held - s.on_disk:
         s.bad[d] = "is missing"
     todo = sorted(s.on_disk)
@@ -152,7 +152,7 @@ def check(conn: sqlite3.Connection, blobs: LocalBlobStore, *, read_data: bool = 
     if orphans:
         r.notes.append(f"{len(orphans)} stored blobs are not indexed"
                        " (left by interrupted writes; gc removes them)")
-    r.counts["garbage_blobs"] = len(set(s.indexed) - s.held - s.listed)
+    r.counts["garbage_blobs"] = len(set(s.indexed) - s.referenced)
 
     _check_files(conn, r)
     _check_tree(conn, r)

@@ -1,8 +1,8 @@
 """``pffs gc``: remove blobs that no file holds and no manifest lists (contract §4 gc roots).
 
-Mark: every blob named by a ``blocks`` row (held by a file, open or not) or
-by a ``manifest_pages`` row (listed by a manifest.json) or a ``cached_keys``
-row (a page the prefix cache keeps by key) is live.  Sweep: the
+Mark: every referenced blob is live (:mod:`pffs.namespace.references`: held
+by a file, open or not, listed by a manifest.json, or kept by the prefix
+cache).  Sweep: the
 other blob files, their ``blobs`` rows, rows whose blob file is gone, and
 temp files of interrupted puts.  Nothing younger than the grace period is
 swept (a dedup hit refreshes a blob's mtime), which covers writers that do not
@@ -92,16 +92,6 @@ def _scan(blob_root: Path, cutoff: float, progress) -> tuple[dict[str, tuple[flo
         if progress:
             progress(i + 1, len(subs))
     return blobs, temps
-
-
-def _named(conn: sqlite3.Connection, digest: str) -> bool:
-    # A fork's page rows (via set) hold their blobs through manifest_pages.
-    return (conn.execute("SELECT 1 FROM blocks WHERE blob=? AND via IS NULL LIMIT 1",
-                         (digest,)).fetchone() is not None
-            or conn.execute("SELECT 1 FROM manifest_pages WHERE digest=? LIMIT 1",
-                            (digest,)).fetchone() is not None
-            or conn.execute("SELECT 1 FROM cached_keys WHERE digest=? LIMIT 1",
-                            (digest,)).fetchone() is not None)
 
 
 def _open(store: StoreDir) -> tuple[LocalBlobStore, bool, sqlite3.Connection]:
@@ -230,7 +220,7 @@ def _sweep(store: StoreDir, conn: sqlite3.Connection, batch: list[str], cutoff: 
 
 def _candidate_ok(store: StoreDir, conn: sqlite3.Connection, d: str, cutoff: float):
     """(path, size) of a blob still fit to sweep, (None, None) if its file is gone, or False."""
-    if _named(conn, d):
+    if ns.is_referenced(conn, d):
         return False
     path = store.blobs.path(Digest(d))
     try:

@@ -27,7 +27,10 @@ The package's modules, each with one reason to change:
 - :mod:`.prefix_index`: the prefix index (SPEC §7): a page list's token chain
   keys (manifest_keys, IndexKeys), what a key finds, the key-only cache,
   rebuilding the index from the manifests.
-- :mod:`.figures`: Stats, stats and iter_referenced_blobs (the gc roots).
+- :mod:`.figures`: Stats and stats (the store's figures).
+- :mod:`.references`: which blobs are referenced, the gc roots, in one place
+  (iter_referenced_blobs, is_referenced, referenced_among, referenced_sql,
+  drop_unreferenced_blob_row).
 - :mod:`.usage`: what places of the tree share and hold alone (Place,
   PlaceMoved, Usage, usage_of: ``pffs du``), by the gc roots' rules.
 - :mod:`.queries`: the mounted daemon's reads (listings, counts, what
@@ -37,7 +40,7 @@ The package's modules, each with one reason to change:
   fork_manifest, delete_unlinked...).
 
 Imports go one way: schema <- prefix_index <- pagelists <- tree <- forks <- changes, and
-queries on top of the tree; figures and usage need only the tables.  Every public name is re-exported here (``__all__``), so
+queries on top of the tree; figures and references need only the tables, usage the references.  Every public name is re-exported here (``__all__``), so
 ``from pffs import namespace as ns; ns.X`` and ``from pffs.namespace import X``
 work as they did when this was one module.
 """
@@ -58,7 +61,7 @@ from pffs.namespace.changes import (
     share_content,
     take_manifest_name,
 )
-from pffs.namespace.figures import Stats, iter_referenced_blobs, stats
+from pffs.namespace.figures import Stats, stats
 from pffs.namespace.forks import fork_pages
 from pffs.namespace.pagelists import (
     forget_manifest,
@@ -84,6 +87,13 @@ from pffs.namespace.queries import (
     readdir,
     size_of,
     stored_bytes,
+)
+from pffs.namespace.references import (
+    drop_unreferenced_blob_row,
+    is_referenced,
+    iter_referenced_blobs,
+    referenced_among,
+    referenced_sql,
 )
 from pffs.namespace.rows import (
     INODE_COLS,
@@ -202,6 +212,7 @@ __all__ = [
     "deletes_little",
     "drop_blocks",
     "drop_link",
+    "drop_unreferenced_blob_row",
     "entry_count",
     "files_content",
     "files_holding",
@@ -217,6 +228,7 @@ __all__ = [
     "insert_blob_rows",
     "is_disk_full",
     "is_folded",
+    "is_referenced",
     "iter_referenced_blobs",
     "known_blobs",
     "link",
@@ -241,6 +253,8 @@ __all__ = [
     "record_manifest",
     "recorded_count",
     "recorded_pages",
+    "referenced_among",
+    "referenced_sql",
     "remove_xattr",
     "rename",
     "rename_with_manifest",

@@ -1,12 +1,9 @@
-"""Figures of a store (contract §4) and the gc roots: what the namespace holds, read in aggregate."""
+"""Figures of a store (contract §4): what the namespace holds, read in aggregate."""
 
 from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass
-from typing import Iterable
-
-from pffs.types import Digest
 
 
 @dataclass
@@ -51,10 +48,3 @@ def stats(conn: sqlite3.Connection) -> Stats:
     ).fetchone()
     return Stats(sessions, files, logical, blobs, unique, stored)
 
-
-def iter_referenced_blobs(conn: sqlite3.Connection) -> Iterable[Digest]:
-    """gc roots: every blob a file holds, every digest a manifest lists and every page the
-    prefix cache keeps by key."""
-    for (d,) in conn.execute("SELECT blob FROM blocks UNION SELECT digest FROM manifest_pages"
-                             " UNION SELECT digest FROM cached_keys"):
-        yield Digest(d)

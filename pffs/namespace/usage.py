@@ -1,8 +1,8 @@
 """What places of the tree hold on their own: ``pffs du``'s figures, read from the namespace.
 
 The question is "what would ``rm -r`` of these places, then gc, give back?".
-gc keeps a blob while a file holds it or a page list lists it (its roots,
-:func:`pffs.namespace.figures.iter_referenced_blobs`), and a page list stays
+gc keeps a blob while it is referenced (:mod:`pffs.namespace.references`):
+a file holds it, a page list lists it, or the prefix cache keeps it; a page list stays
 while a recorded manifest, a fork's page files or a folded fork holds it
 (:mod:`pffs.namespace.pagelists`).  So a blob the places hold is their own
 (*exclusive*) when every holder of it goes with them: each file holding it
@@ -20,6 +20,7 @@ import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pffs.namespace.references import referenced_sql
 from pffs.namespace.schema import ROOT_INODE
 
 S_IFMT, S_IFDIR, S_IFREG = 0o170000, 0o040000, 0o100000
@@ -115,17 +116,11 @@ _FILL = (
     " ON p.manifest = l.manifest",
 )
 
-# A held blob stays if a file that stays holds it (by the by-blob index), a
-# page list that stays lists it, or the prefix cache keeps it by key.  A fork's page file (a blocks row with via
-# set) holds the blob its pageset's list names for that page, so the second
-# test covers it: that list stays as long as the file does.
-_EXCLUSIVE = (
-    " WHERE NOT EXISTS (SELECT 1 FROM blocks x WHERE x.blob = h.digest AND x.via IS NULL"
-    "                   AND x.inode NOT IN (SELECT ino FROM du_gone))"
-    " AND NOT EXISTS (SELECT 1 FROM manifest_pages p WHERE p.digest = h.digest"
-    "                 AND p.manifest NOT IN (SELECT manifest FROM du_dead))"
-    " AND NOT EXISTS (SELECT 1 FROM cached_keys c WHERE c.digest = h.digest)"
-)
+# A held blob is exclusive unless it stays referenced once the places are
+# gone: their files and the page lists that go with them do not count.  (A
+# fork's page file that stays keeps its pageset's list, which lists its blob.)
+_EXCLUSIVE = " WHERE NOT " + referenced_sql("h.digest", files_gone="SELECT ino FROM du_gone",
+                                            lists_gone="SELECT manifest FROM du_dead")
 _SUMS = ("SELECT COUNT(*), COALESCE(SUM(b.raw_size), 0), COALESCE(SUM(b.stored_size), 0)"
          " FROM du_held h JOIN blobs b ON b.digest = h.digest")
 

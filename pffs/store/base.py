@@ -52,6 +52,9 @@ class BlobStore(Protocol):
     root: Path
     #: The codec new blobs are written with.
     codec: codec_mod.Codec
+    #: What every read checks: "crc32" (a named frame's name and the crc32 of its
+    #: bytes) or "sha256" (the sha256 of its bytes); docs/format.md.
+    verify: str
 
     def contains(self, digest: Digest) -> bool: ...
 
@@ -66,5 +69,10 @@ class BlobStore(Protocol):
             hold: Callable[[int], Any] | None = None, rehash: bool = False) -> bytes: ...
 
     def get_view(self, digest: Digest, *, hold: Callable[[int], Any] | None = None) -> bytes | memoryview: ...
+
+    def set_aside(self, digest: Digest, why: str) -> bool:
+        """A blob a read found damaged (*why*): moved out of the way if the store
+        can, so the next put of its bytes stores them afresh; True if moved."""
+        ...
 
     def temp_files(self) -> Iterator[Path]: ...

@@ -144,6 +144,7 @@ class S3BlobStore(S3Requests):
         self.bucket, self.prefix = parse_url(url)
         self.codec = codec_mod.parse_codec(codec)
         self.max_raw = max_raw
+        self.verify = "sha256"  # what reads check: a bucket many hosts write is a trust boundary
         # A mounted daemon's (pffs.store.reserve); the cache never eats into it.
         self.reserve = reserve
         # A mount's: whether its namespace knows the digest (then a HEAD
@@ -426,11 +427,16 @@ class S3BlobStore(S3Requests):
         """The raw bytes of *digest*, verified: from the cache, else from the bucket
         (*verify*, *hold* and *rehash* as for LocalBlobStore.get)."""
         return self._get(digest, lambda frame: decode_verified(digest, frame, self.max_raw, verify, hold,
-                                                               rehash=rehash))
+                                                               rehash=rehash or self.verify == "sha256"))
 
     def get_view(self, digest: Digest, *, hold=None) -> bytes | memoryview:
         """:meth:`get`, verified, a large page's bytes in a read-only view (LocalBlobStore.get_view)."""
-        return self._get(digest, lambda frame: decode_verified_view(digest, frame, self.max_raw, hold))
+        return self._get(digest, lambda frame: decode_verified_view(
+            digest, frame, self.max_raw, hold, rehash=self.verify == "sha256"))
+
+    def set_aside(self, digest: Digest, why: str) -> bool:
+        """Nothing: ``_get`` fetches a damaged cached frame again; the bucket's puts are put-if-absent."""
+        return False
 
     def _get(self, digest: Digest, decode: Callable[[bytes], Any]) -> Any:
         frame = self.cache.get(digest)

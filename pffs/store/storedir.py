@@ -11,7 +11,7 @@ Layout (``--store DIR``, else ``$PFFS_STORE``, else ``~/.local/share/pffs``)::
     DIR/gc.lock, DIR/gc.intent   flocks that order gc against writers reusing blobs
     DIR/pins/                    blobs a writer outside the daemon relies on until its commit
     DIR/reserve                  space kept back for deletions on a full disk (pffs.store.reserve)
-    DIR/damaged/                 corrupt blobs set aside by ``pffs check --repair``
+    DIR/damaged/                 corrupt blobs set aside by readers and ``pffs check --repair``
     DIR/engine.sock              live-engine socket while mounted
 """
 
@@ -30,7 +30,7 @@ from pffs import codec as codec_mod
 from pffs.errors import PffsError
 from pffs.names import SOCKET_NAME
 from pffs.namespace import KnownBlobs
-from pffs.store.local import LocalBlobStore
+from pffs.store.local import DAMAGED_DIR, LocalBlobStore
 from pffs.store.reserve import SpaceReserve
 
 LOCK_NAME = "lock"
@@ -41,7 +41,6 @@ GC_LOCK_NAME = "gc.lock"
 GC_INTENT_NAME = "gc.intent"
 PINS_DIR = "pins"
 RESERVE_NAME = "reserve"
-DAMAGED_DIR = "damaged"
 
 
 class StoreBusy(PffsError):
