@@ -169,3 +169,19 @@ def test_tensor_parallel_2_saves_whole_heads_for_any_size(tmp_path, mount_factor
         got = one.one(q, {"pffs_load": "tp2"}, max_tokens=2)
         assert got["kv"] == {"pffs_loaded": 96}
         assert set(session_pages(mnt / "tp2")[:3]) <= set(one.digests()[0])
+
+
+def test_an_in_process_engine_saves_without_another_step_and_at_shutdown(tmp_path, mount_factory):
+    """vLLM run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as offline
+    scripts and trainers run it) steps only inside ``generate``: a save asked
+    by the last request ends saved with no further step, and one asked just
+    before the engine shuts down ends saved too (never unknown)."""
+    mnt = mount_factory()
+    with VllmEngine(tmp_path, mnt.path, inproc=True) as e:
+        s = e.one(P, {"pffs_save": "idle"}, max_tokens=8)
+        assert s["kv"]["pffs_save_scheduled"] == 107
+        wait_saved(mnt / "idle")            # (nothing runs after: the engine does not step)
+        e.one(OTHER, {"pffs_save": "last"}, max_tokens=4)
+    assert e.proc.returncode == 0, e.tail()
+    wait_saved(mnt / "last", timeout=10)
+    assert session_pages(mnt / "idle")[:3] != session_pages(mnt / "last")[:3]

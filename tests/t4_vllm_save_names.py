@@ -11,6 +11,7 @@ instead under vLLM's default policy, and the response says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -34,6 +35,25 @@ def finish(eng: Engine, name: str) -> str:
     while rid not in eng.outputs:
         eng.step()
     return rid
+
+
+@contextlib.contextmanager
+def save_lane_held(eng: Engine):
+    """The worker's save lane busy until the block ends: a save scheduled
+    meanwhile starts only then (the harness's scheduler hands saves to its
+    in-process worker at once)."""
+    go = threading.Event()
+    save = eng.worker._save
+
+    def held(job):
+        go.wait(60)
+        save(job)
+    eng.worker._save = held
+    try:
+        yield
+    finally:
+        go.set()
+        eng.worker._save = save
 
 
 def wait_code(path, timeout: float = 60) -> tuple[int, str]:
@@ -87,10 +107,11 @@ def test_a_link_put_on_the_way_after_scheduling_fails_the_save_inside(tmp_path, 
     elsewhere.mkdir()
     (mnt / "team").mkdir()
     eng = Engine(tmp_path, mnt.path)
-    rid = finish(eng, "team/x")
-    assert eng.outputs[rid]["pffs_save_scheduled"] == 41
-    os.rename(mnt / "team", mnt / "team-old")
-    os.symlink(elsewhere, mnt / "team")
+    with save_lane_held(eng):
+        rid = finish(eng, "team/x")
+        assert eng.outputs[rid]["pffs_save_scheduled"] == 41
+        os.rename(mnt / "team", mnt / "team-old")
+        os.symlink(elsewhere, mnt / "team")
     eng.run(rid)
     code, why = wait_code(mnt / "team" / "x")
     assert code == 1 and "'team' is a symbolic link" in why, why
@@ -101,9 +122,10 @@ def test_an_unmounted_root_fails_its_scheduled_save_and_refuses_the_next(tmp_pat
                                                                          state_dir):
     mnt = mount_factory()
     eng = Engine(tmp_path, mnt.path)
-    rid = finish(eng, "gone")
-    assert eng.outputs[rid]["pffs_save_scheduled"] == 41
-    assert mnt.stop() == 0
+    with save_lane_held(eng):
+        rid = finish(eng, "gone")
+        assert eng.outputs[rid]["pffs_save_scheduled"] == 41
+        assert mnt.stop() == 0
     eng.run(rid)
     assert os.listdir(mnt.path) == [], "the save wrote into the bare mount point"
     code, why = wait_code(mnt / "gone", timeout=5)

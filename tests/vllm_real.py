@@ -28,13 +28,15 @@ class VllmEngine:
     def __init__(self, tmp: Path, root: Path, *, kv_heads: int = 4, tp: int = 1, blocks: int = 0,
                  max_model_len: int = 1024, batched_tokens: int = 2048,
                  extra: dict[str, Any] | None = None, start_timeout: float = 300.0,
-                 isa: str | None = None, seed: int = 0):
+                 isa: str | None = None, inproc: bool = False, seed: int = 0):
         self.log_path = tmp / f"vllm-{os.getpid()}-{id(self):x}.log"
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
                    # (digests sends a function to the workers: pickled)
                    VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                    PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        if inproc:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # (engine core in the driver's process)
         if isa:
             env["PFFS_TEST_ATTN_ISA"] = isa     # (the CPU attention kernel vLLM is to use)
         if tp > 1:

@@ -327,8 +327,13 @@ class PffsConnector(KVConnectorBase_V1):
             return False, out
         blocks = list(block_ids[:-(-n // self.block_size)])
         tokens = [int(t) for t in request.all_token_ids[:n]] if self.store_tokens else None
-        self._to_save.append(SaveJob(rid, name, blocks, n, tokens, inputs_of(request)))
+        job = SaveJob(rid, name, blocks, n, tokens, inputs_of(request))
         self._saving[rid] = name
+        worker = _LOCAL_WORKERS.get(self._engine_key())
+        if worker is not None:
+            worker.submit_save(job)     # (the worker is in this process: no step needed)
+        else:
+            self._to_save.append(job)
         out.update({SAVE: name, "pffs_save_scheduled": n})
         return True, out
 
@@ -363,6 +368,8 @@ class PffsConnector(KVConnectorBase_V1):
         self._load_bridge = Bridge(load_pool, None, engine_name=self.engine, model=self.model,
                                    io_workers=min(4, workers))
         self._lanes = (Lane("save", self.nice[0]), Lane("load", self.nice[1]))
+        if self.tp == 1:
+            _LOCAL_WORKERS[self._engine_key()] = self
 
     def _need_lanes(self) -> tuple[Lane, Lane]:
         if self._lanes is None:
@@ -509,6 +516,31 @@ class PffsConnector(KVConnectorBase_V1):
         return bad
 
     def shutdown(self) -> None:
+        # Worker: every job handed to a lane runs to its end (saved, or its
+        # failure recorded).  Scheduler: a save the workers never got is recorded.
         if self._lanes is not None:
+            if _LOCAL_WORKERS.get(self._engine_key()) is self:
+                del _LOCAL_WORKERS[self._engine_key()]
             for lane in self._lanes:
                 lane.close()
+        pending, self._to_save = self._to_save, []
+        for job in pending:
+            line = f"{SAVE} {job.name!r}: the engine shut down before the save started"
+            log.error("request %s: %s", job.req_id, line)
+            self._record_failure(job.name, session_path(self.root, job.name), line)
+
+    def _engine_key(self) -> str:
+        return str(self._kv_transfer_config.engine_id)
+
+    def submit_save(self, job: SaveJob) -> None:
+        """Start *job* on this worker's save lane now (a scheduler in the same
+        process hands it over at once: an engine run in-process, as offline
+        scripts run it, may not step again for a long time)."""
+        save_lane, _ = self._need_lanes()
+        save_lane.submit(job.req_id, functools.partial(self._save, job))
+
+
+#: Worker-side connectors of engines whose scheduler runs in this process
+#: (tensor parallel 1: vLLM's engine core steps its one worker in-process),
+#: by engine id: a finished request's save goes straight to the worker's lane.
+_LOCAL_WORKERS: dict[str, PffsConnector] = {}

@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -47,7 +48,7 @@ def widen_thread(nice: int) -> None:
         pass
 
 
-@dataclass
+@dataclass(eq=False)
 class Lane:
     """One thread running jobs in order: ``submit(rid, fn)``; ``take_done()``.
 
@@ -66,6 +67,7 @@ class Lane:
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"pffs-{self.name}", daemon=True)
         self._thread.start()
+        _drain_at_exit(self)
 
     def submit(self, rid: str, fn: Callable[[], None]) -> None:
         with self._cv:
@@ -103,9 +105,54 @@ class Lane:
             if self._busy and not self.done:
                 self._cv.wait(timeout)
 
+    def drain(self, timeout: float) -> bool:
+        """Until every job submitted so far has ended (False: *timeout* seconds passed first)."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def close(self, timeout: float = 600.0) -> None:
         self._q.put(None)
         self._thread.join(timeout)
+
+
+#: Lanes whose jobs run to their end when the interpreter exits.
+_LANES: "weakref.WeakSet[Lane]" = weakref.WeakSet()
+#: How long an exiting interpreter waits for the lanes' jobs.
+EXIT_DRAIN = 600.0
+_hooked = False
+
+
+def _drain_at_exit(lane: Lane) -> None:
+    """Have *lane*'s jobs end before the interpreter's own exit work.
+
+    An engine run in-process (vLLM's offline LLM) may end its script right
+    after the request whose save it handed over: the save must end saved
+    or failed, never cut.  The bridge's I/O runs on a ThreadPoolExecutor,
+    which refuses work once ``concurrent.futures`` saw the interpreter
+    exit; that happens in threading's exit hooks, which run newest first,
+    so the lanes' hook, registered after, runs before it."""
+    global _hooked
+    if not _hooked and hasattr(threading, "_register_atexit"):
+        try:
+            threading._register_atexit(_drain_lanes)
+            _hooked = True
+        except RuntimeError:    # (already exiting)
+            pass
+    _LANES.add(lane)
+
+
+def _drain_lanes() -> None:
+    for lane in list(_LANES):
+        if lane.busy:
+            log.info("%s lane: the interpreter exits: waiting for its jobs", lane.name)
+            if not lane.drain(EXIT_DRAIN):
+                log.error("%s lane: jobs still running after %.0f s at exit", lane.name, EXIT_DRAIN)
 
 
 def wait_lanes(lanes: Sequence[Lane], timeout: float) -> None:
