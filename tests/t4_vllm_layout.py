@@ -65,3 +65,40 @@ def test_vllm_views_gather_and_scatter_contract_pages(order, kernel, tmp_path):
     other.gather(other.block_index([9, 0]), back)
     assert torch.equal(back, out)
     assert bytes(back[0].numpy()) == expected_page(views, 5, r)
+
+
+@pytest.mark.parametrize("isa, dtype", [("vec", torch.bfloat16), ("vec", torch.float16),
+                                        ("vec", torch.float32), ("vec16", torch.bfloat16),
+                                        ("amx", torch.bfloat16)])
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_cpu_kernel_packings_are_converted_exactly(isa, dtype, n_layers):
+    """vLLM's CPU kernels keep a head's block as a packed K region then V region:
+    blocks written by vLLM's own cache-writing kernel for *isa* gather into
+    pages that are exactly the K and V written (SPEC §1), and pages scattered
+    into a pool hold exactly what that kernel writes (an AMX packing is
+    written by plain stores: it runs on any x86 host)."""
+    from vllm import _custom_ops as ops
+
+    from engine_bridge.vllm.packing import cpu_packing
+    B, Hh, N, Dd = 6, 2, 32, 64
+    packing = cpu_packing(isa, dtype, N, Dd)
+    assert packing.name == f"cpu {isa}"
+    pools = [VllmKVPool.allocate_vllm(num_blocks=B, block_size=N, n_layers=n_layers, n_heads=Hh,
+                                      head_dim=Dd, dtype=dtype, order="LBHNC", packing=packing)
+             for _ in range(2)]
+    assert not pools[0].packing.is_token_rows
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn((n_layers, B * N, Hh, Dd), generator=g).to(dtype)
+    v = torch.randn((n_layers, B * N, Hh, Dd), generator=g).to(dtype)
+    for layer, t in enumerate(pools[0].layers):
+        kc, vc = t.view(B, Hh, 2 * N, Dd).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k[layer], v[layer], kc, vc, torch.arange(B * N), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    out = torch.empty((2, pools[0].page_bytes), dtype=torch.uint8)
+    pools[0].gather([4, 1], out)
+    for row, b in enumerate([4, 1]):
+        want = torch.cat([k[:, b * N:(b + 1) * N].flatten(), v[:, b * N:(b + 1) * N].flatten()])
+        assert torch.equal(out[row].view(dtype), want), (isa, b)
+    pools[1].scatter([0, 5], out)
+    for a, b in zip(pools[0].layers, pools[1].layers):
+        assert torch.equal(b[0], a[4]) and torch.equal(b[5], a[1])

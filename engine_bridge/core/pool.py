@@ -393,7 +393,7 @@ class VllmKVPool(KVPool):
         self._stacked = None
         self._packed = None if rows else self._packed_views()
 
-    def _packed_views(self) -> list[tuple[list[Any], tuple[int, ...]]]:
+    def _packed_views(self) -> list[tuple[list[Any], tuple[int, ...], Any]]:
         """For K and for V: element views ``[B, L, r, *n, H, *d]`` over every
         layer at once (or one a layer, ``L`` of 1, when the layers do not lie
         equally spaced), token and dim split into the digits the packing
@@ -417,28 +417,36 @@ class VllmKVPool(KVPool):
             nd, dd = _digits(off[:, 0] - start), _digits(off[0, :] - start)
             if nd is None or dd is None or not np.array_equal(off, off[:, :1] + off[:1, :] - start):
                 raise ValueError(f"{self.packing.name}: the kernel's packing is not a strided view")
+            # Dims whose innermost digit lies contiguous on both sides (a page's
+            # dim is): copied as one wider element (AMX keeps K in pairs).
+            wide = dd[-1][0] * isz if dd and dd[-1][1] == 1 else isz
+            if wide in _ELEMENT and wide > isz:
+                dd = dd[:-1]
+            else:
+                wide = isz
             sizes = [r] + [c for c, _ in nd] + [self.n_heads] + [c for c, _ in dd]
             strides = [sB * isz] + [s * isz for _, s in nd] + [sH * isz] + [s * isz for _, s in dd]
             views = []
             for t in (self.layers[:1] if stacked else self.layers):
-                base = _offset(t.view(_torch_int(isz)).numpy().view(el), start)
+                base = _offset(t.view(_torch_int(isz)).numpy().view(el), start, wide // isz)
                 views.append(np.lib.stride_tricks.as_strided(
-                    base, (self.num_blocks, len(self.layers) if stacked else 1, *sizes),
+                    base.view(_ELEMENT[wide]), (self.num_blocks, len(self.layers) if stacked else 1, *sizes),
                     (r * sB * isz, step, *strides)))
-            halves.append((views, (self.n_layers, *sizes)))
+            halves.append((views, (self.n_layers, *sizes), _ELEMENT[wide]))
         return halves
 
     def _packed_rows(self, buf: torch.Tensor) -> list[Any]:
         """Page rows ``[n, page_bytes]`` as their K and V halves in the packed views' shapes."""
         assert self._packed is not None
-        rows = buf.numpy().view(_ELEMENT[self.itemsize]).reshape(buf.shape[0], 2, -1)
-        return [rows[:, kv].reshape(buf.shape[0], *shape) for kv, (_, shape) in enumerate(self._packed)]
+        rows = buf.numpy().reshape(buf.shape[0], 2, -1)
+        return [rows[:, kv].view(el).reshape(buf.shape[0], *shape)
+                for kv, (_, shape, el) in enumerate(self._packed)]
 
     def gather(self, index: torch.Tensor | Sequence[int], out: torch.Tensor) -> None:
         if self._packed is None:
             return super().gather(index, out)
         blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
-        for (views, _), o in zip(self._packed, self._packed_rows(out)):
+        for (views, _, _), o in zip(self._packed, self._packed_rows(out)):
             for r, b in enumerate(blocks):
                 if len(views) == 1:
                     o[r] = views[0][b]
@@ -450,7 +458,7 @@ class VllmKVPool(KVPool):
         if self._packed is None:
             return super().scatter(index, src)
         blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
-        for (views, _), s in zip(self._packed, self._packed_rows(src)):
+        for (views, _, _), s in zip(self._packed, self._packed_rows(src)):
             for r, b in enumerate(blocks):
                 if len(views) == 1:
                     views[0][b] = s[r]
@@ -476,10 +484,10 @@ class VllmKVPool(KVPool):
         return cls([logical[i] for i in range(n_layers)], order, num_blocks, kv, packing)
 
 
-def _offset(a: np.ndarray, start: int) -> np.ndarray:
-    """A view of *a*'s memory from *start* elements past its first (numpy shows a
-    strided array's memory only through as_strided)."""
-    return np.lib.stride_tricks.as_strided(a, (start + 1,), (a.itemsize,))[start:]
+def _offset(a: np.ndarray, start: int, n: int = 1) -> np.ndarray:
+    """*n* elements of *a*'s memory from *start* elements past its first (numpy
+    shows a strided array's memory only through as_strided)."""
+    return np.lib.stride_tricks.as_strided(a, (start + n,), (a.itemsize,))[start:]
 
 
 def _torch_int(itemsize: int) -> torch.dtype:
