@@ -280,6 +280,7 @@ def test_a_schema_1_store_is_migrated_by_a_mount(mount_factory, bf16_pages, tmp_
 def test_damaged_blobs_give_eio_and_repair_isolates_them(mount_factory, bf16_pages, tmp_path):
     m = mount_factory()
     m.allow(r"ERROR pffs.fs: read /s/pages/00000[123]: blob sha256:")
+    m.allow(r"WARNING pffs.store: blob sha256:[0-9a-f]+ is damaged")
     pages = varied_pages(bf16_pages, 6, salt=20)
     write_session(tmp_path / "s", pages)
     cp_session(tmp_path / "s", m / "s")
