@@ -8,6 +8,9 @@ printed names it) and for os.urandom pages of the same size, prints for every pf
 codec the ratio and MB/s to compress and decompress a page at a time on one
 core, next to plain zstd level 1 and 19 (python-zstandard, no pffs framing)
 and the zstd command line, all measured in this run; then sha256 MB/s.
+With --fp8: bf16 pages beside fp8 ones (the fp16 KV quantized to e4m3 and
+e5m2 at a scale a layer, as an fp8 engine writes them), planes-zstd1
+against zstd-1 and zstd-3.
 """
 
 from __future__ import annotations
@@ -34,9 +37,30 @@ from pffs_testdata import kv_file, tokens_in  # noqa: E402
 KV_FILE = kv_file(full=True)
 
 
+def fp8_pages(kind: str) -> list[bytes]:
+    """The real f16 KV quantized as an fp8 engine writes it: each layer's K and V
+    divided by a scale of their own (amax over the fp8 type's largest value), then
+    rounded to e4m3 or e5m2; cut into pages as :func:`pages_of`."""
+    import numpy as np
+    import torch
+    from pffs_testdata import load_raw
+    fp8 = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}[kind]
+    top = torch.finfo(fp8).max
+    halves = []
+    for name in ("k_fp16", "v_fp16"):
+        t = torch.from_numpy(np.array(load_raw(KV_FILE, name)).view(np.float16)).float()
+        scale = t.abs().amax(dim=tuple(range(1, t.dim())), keepdim=True) / top
+        halves.append((t / scale).to(fp8).view(torch.uint8).numpy())
+    k, v = halves
+    return [np.ascontiguousarray(k[:, s:s + 16]).tobytes() + np.ascontiguousarray(v[:, s:s + 16]).tobytes()
+            for s in range(0, k.shape[1], 16)]
+
+
 def pages_of(kind: str) -> list[bytes]:
     if kind == "urandom":
         return [os.urandom(147456) for _ in range(128)]
+    if kind.startswith("fp8"):
+        return fp8_pages(kind)
     from conftest import kv_pages
     return kv_pages(kind, path=KV_FILE)
 
@@ -80,25 +104,30 @@ def cli_zstd(pages: list[bytes], level: int) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    ap.add_argument("--fp8", action="store_true", help="fp8 pages (e4m3, e5m2) beside bf16: "
+                    "planes-zstd1 against zstd-1 and zstd-3")
     args = ap.parse_args()
+    kinds, codecs, levels = ("bf16", "fp16", "urandom"), ("planes-zstd1", "zstd-1", "zstd-19", "raw"), (1, 19)
+    if args.fp8:
+        kinds, codecs, levels = ("bf16", "fp8e4m3", "fp8e5m2"), ("planes-zstd1", "zstd-1", "zstd-3"), (1, 3)
     print(f"real KV: {KV_FILE} ({tokens_in(KV_FILE)} tokens, {tokens_in(KV_FILE) // 16} pages a dtype)")
     print(f"{'data':8} {'codec':22} {'ratio':>7} {'comp MB/s':>10} {'decomp MB/s':>12}")
-    for kind in ("bf16", "fp16", "urandom"):
+    for kind in kinds:
         pages = pages_of(kind)
         raw = sum(map(len, pages))
         rows = []
-        for name in ("planes-zstd1", "zstd-1", "zstd-19", "raw"):
+        for name in codecs:
             c = codec.parse_codec(name)
             cmb, frames = timed(lambda p: codec.encode(p, c), pages, args.min_time)
             dmb, _ = timed(codec.decode, frames, args.min_time)
             rows.append((f"pffs {name}", raw / sum(map(len, frames)), cmb, dmb))
-        for level in (1, 19):
+        for level in levels:
             z = zstandard.ZstdCompressor(level=level)
             dz = zstandard.ZstdDecompressor()
             cmb, frames = timed(z.compress, pages, args.min_time)
             dmb, _ = timed(dz.decompress, frames, args.min_time)
             rows.append((f"plain zstd-{level}", raw / sum(map(len, frames)), cmb, dmb))
-        for level in (1, 19):
+        for level in levels:
             ratio, mbs = cli_zstd(pages, level)
             rows.append((f"zstd CLI -{level}", ratio, mbs, float("nan")))
         for label, ratio, cmb, dmb in rows:

@@ -20,6 +20,20 @@ from pffs.types import Digest, PageIndex, is_digest
 LAYOUTS = ("paged-batchinvariant-v1",)
 DEFAULT_LAYOUT = LAYOUTS[0]
 DTYPE_SIZES = {"bf16": 2, "f16": 2, "f32": 4, "fp8e4m3": 1, "fp8e5m2": 1}
+#: What a page holds (contract §1, §1.1): K and V heads (``mha``, also when the
+#: manifest says nothing), or one latent vector a token (``mla``).
+ATTENTIONS = ("mha", "mla")
+
+
+def plain_scales(scales: Any) -> Any:
+    """``kv.scales`` in one form: None for null and for scales that are all 1.0
+    (both say the values are not scaled, contract §1), else as given.  Sessions
+    are compared, and their key namespaces computed, in this form."""
+    if isinstance(scales, dict) and set(scales) <= {"k", "v"} and all(
+            isinstance(v, list) and all(type(x) in (int, float) and x == 1 for x in v)
+            for v in scales.values()):
+        return None
+    return scales
 
 # Caps against hostile manifests; each is far above any real cache.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -62,9 +76,11 @@ def parse_page_name(name: str | bytes) -> PageIndex | None:
 
 
 def page_bytes(n_layers: int, page_size_tokens: int, n_heads: int, head_dim: int,
-               dtype: str) -> int:
-    """Size of one page file (contract §1): K and V for every layer."""
-    return 2 * n_layers * page_size_tokens * n_heads * head_dim * DTYPE_SIZES[dtype]
+               dtype: str, attention: str = "mha") -> int:
+    """Size of one page file: K and V for every layer (contract §1), or one
+    latent vector a token for every layer (``mla``, §1.1)."""
+    pair = 1 if attention == "mla" else 2
+    return pair * n_layers * page_size_tokens * n_heads * head_dim * DTYPE_SIZES[dtype]
 
 
 @dataclass
@@ -102,17 +118,18 @@ class Manifest:
     kv: dict[str, Any] | None = None
     engine: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    attention: str = "mha"
 
     @property
     def page_bytes(self) -> int:
         return page_bytes(self.n_layers, self.page_size_tokens, self.n_heads,
-                          self.head_dim, self.dtype)
+                          self.head_dim, self.dtype, self.attention)
 
     @property
     def geometry(self) -> dict[str, Any]:
         return {"page_size_tokens": self.page_size_tokens, "n_layers": self.n_layers,
                 "n_heads": self.n_heads, "head_dim": self.head_dim, "dtype": self.dtype,
-                "layout": self.layout}
+                "layout": self.layout, "attention": self.attention}
 
     def validate(self) -> "Manifest":
         """Check every rule; return self (ManifestError otherwise)."""
@@ -133,6 +150,8 @@ class Manifest:
             "kv": self.kv,
             "engine": self.engine,
         }
+        if self.attention != "mha":     # (absent means mha: K/V manifests keep their bytes)
+            d = {"attention": self.attention, **d}
         for k, v in self.extra.items():
             d.setdefault(k, v)
         return d
@@ -189,7 +208,13 @@ def _check(d: Any) -> tuple[list[Digest], list[LogicalSeq]]:
         raise ManifestError("dtype", "missing")
     if dtype not in DTYPE_SIZES:
         raise ManifestError("dtype", f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_SIZES)})")
-    pb = page_bytes(d["n_layers"], d["page_size_tokens"], d["n_heads"], d["head_dim"], dtype)
+    attention = d.get("attention", "mha")
+    if attention not in ATTENTIONS:
+        raise ManifestError("attention", f"unknown attention {json.dumps(attention)[:40]} "
+                            f"(known: {', '.join(ATTENTIONS)})")
+    if attention == "mla" and d["n_heads"] != 1:
+        raise ManifestError("n_heads", f"must be 1 for mla pages (one latent vector a token), not {d['n_heads']}")
+    pb = page_bytes(d["n_layers"], d["page_size_tokens"], d["n_heads"], d["head_dim"], dtype, attention)
     if pb > MAX_PAGE_BYTES:
         raise ManifestError("geometry", f"pages of {pb} bytes exceed the limit of {MAX_PAGE_BYTES}")
 
@@ -295,10 +320,11 @@ def parse(data: bytes | str) -> Manifest:
     except (ValueError, RecursionError) as e:
         raise ManifestError("manifest", f"not valid JSON: {e}") from None
     pages, seqs = _check(d)
-    known = {"layout", "page_size_tokens", "n_layers", "n_heads", "head_dim", "dtype",
+    known = {"attention", "layout", "page_size_tokens", "n_layers", "n_heads", "head_dim", "dtype",
              "pages", "page_table", "logical_seqs", "model", "kv", "engine"}
     return Manifest(
         page_size_tokens=d["page_size_tokens"], n_layers=d["n_layers"], n_heads=d["n_heads"],
         head_dim=d["head_dim"], dtype=d["dtype"], pages=pages, logical_seqs=seqs,
         layout=d.get("layout", DEFAULT_LAYOUT), model=d.get("model"), kv=d.get("kv"),
-        engine=d.get("engine"), extra={k: v for k, v in d.items() if k not in known})
+        engine=d.get("engine"), extra={k: v for k, v in d.items() if k not in known},
+        attention=d.get("attention", "mha"))

@@ -405,14 +405,16 @@ class HiCache:
         """Store K and V, each (n_layers, len(indices), n_heads, head_dim), at device
         token slots *indices* of the device pool."""
         for layer in range(self.kv_pool.layer_num):
-            self.kv_pool.k_buffer[layer][indices] = k[layer].to(self.kv_pool.dtype)
-            self.kv_pool.v_buffer[layer][indices] = v[layer].to(self.kv_pool.dtype)
+            # (an fp8 pool stores uint8: the fp8 values' bytes)
+            store = self.kv_pool.k_buffer[layer].dtype
+            self.kv_pool.k_buffer[layer][indices] = k[layer].to(self.kv_pool.dtype).view(store)
+            self.kv_pool.v_buffer[layer][indices] = v[layer].to(self.kv_pool.dtype).view(store)
 
     def device_kv(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at device token slots *indices*: (n_layers, n, n_heads, head_dim) each."""
         k = torch.stack([self.kv_pool.k_buffer[layer][indices] for layer in range(self.kv_pool.layer_num)])
         v = torch.stack([self.kv_pool.v_buffer[layer][indices] for layer in range(self.kv_pool.layer_num)])
-        return k, v
+        return k.view(self.kv_pool.dtype), v.view(self.kv_pool.dtype)
 
     def radix_key(self, tokens, extra_key: Optional[str] = None, cache_salt: Optional[str] = None):
         from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -630,6 +632,7 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
         hicache_storage_backend_extra_config=json.dumps(extra) if storage_backend else None,
         hicache_storage_prefetch_policy="wait_complete",
         hicache_host_memory_mode="cache",
+        kv_cache_dtype={torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}.get(dtype, "auto"),
     )
     set_global_server_args_for_scheduler(server_args)
 

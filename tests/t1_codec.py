@@ -206,3 +206,12 @@ def test_decode_view_gives_the_bytes_without_copying_them_into_bytes(bf16_pages)
     bad[-1] ^= 1
     with pytest.raises(CodecError):
         codec.decode_view(bytes(bad))
+
+
+def test_one_byte_values_take_zstd_not_byte_planes():
+    """planes-zstdN splits 16-bit values: fp8 pages (1-byte values) take zstd-N; other
+    codecs, and wider values, stay as chosen."""
+    planes = codec.parse_codec("planes-zstd1")
+    assert codec.for_itemsize(planes, 1) == codec.parse_codec("zstd-1")
+    assert codec.for_itemsize(planes, 2) == planes
+    assert codec.for_itemsize(codec.parse_codec("zstd-19"), 1) == codec.parse_codec("zstd-19")

@@ -597,3 +597,18 @@ def test_threads_take_pages_in_turn_and_small_pages_page_in_on_one(monkeypatch):
                           head_dim=128)
     assert big.page_bytes == PAGE_IN_THREADS_FROM
     assert Bridge(big, io_workers=3).page_in_workers() == 3
+
+
+def test_scales_all_one_are_the_null_scales():
+    """kv.scales null and scales that are all 1.0 say the same (values not scaled):
+    a page-in takes either for the other; any other scale is refused naming it."""
+    from engine_bridge.core.bridge import check_manifest
+    from pffs.manifest import Manifest
+    geometry = {"page_size_tokens": 16, "n_layers": 2, "n_heads": 4, "head_dim": 8, "dtype": "fp8e4m3"}
+    ones = {"k_has_rope": True, "scales": {"k": [1.0, 1], "v": [1.0, 1.0]}}
+    m = Manifest(**geometry, pages=[], kv=ones)
+    check_manifest(m, geometry, {"k_has_rope": True, "scales": None}, None)
+    check_manifest(Manifest(**geometry, pages=[], kv=None), geometry, ones, None)
+    half = {"k_has_rope": True, "scales": {"k": [1.0, 0.5], "v": [1.0, 1.0]}}
+    with pytest.raises(MismatchError, match=r"kv.scales mismatch: session has .*0\.5.*engine has None"):
+        check_manifest(Manifest(**geometry, pages=[], kv=half), geometry, ones, None)

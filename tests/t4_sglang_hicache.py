@@ -43,7 +43,7 @@ def backend(mnt, **more) -> dict:
 
 def hicache(mnt, page_size=16, **kw):
     return sglang_cpu.make_hicache(page_size=page_size, n_layers=2, n_heads=4, head_dim=64,
-                                   dtype=torch.bfloat16, storage_backend="dynamic",
+                                   dtype=kw.pop("dtype", torch.bfloat16), storage_backend="dynamic",
                                    backend_extra_config=backend(mnt, **kw.pop("extra", {})), **kw)
 
 
@@ -315,15 +315,38 @@ def test_the_legacy_interface_stores_and_loads_the_same_pages(mount_factory, lay
         assert v1.host_page_bytes(v1.prefetch(tokens)) == pages
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_an_fp8_cache_is_refused_by_kind(mount_factory, dtype):
-    """SGLang's fp8 KV cache: refused at start in one line that says fp8 (its
-    scales are not carried), not by its storage dtype."""
+@pytest.mark.parametrize("dtype, name", [(torch.float8_e4m3fn, "fp8e4m3"), (torch.float8_e5m2, "fp8e5m2")])
+def test_fp8_pages_round_trip_with_their_scales(mount_factory, dtype, name):
+    """SGLang keeps an fp8 cache as uint8 in its host pool: its pages are fp8 pages
+    (the dtype --kv-cache-dtype names) whose bytes come back bit for bit, with the
+    scales the extra config gives in the key namespace (null when all are 1.0)."""
     mnt = mount_factory()
-    with pytest.raises(ValueError, match=r"pffs HiCache storage: an fp8 KV cache \(.*\) is not supported"):
-        with sglang_cpu.make_hicache(page_size=16, n_layers=2, n_heads=4, head_dim=64, dtype=dtype,
-                                     storage_backend="dynamic", backend_extra_config=backend(mnt)):
-            pass
+    tokens = list(range(5000, 5032))
+    scales = {"k": [0.5, 2.0], "v": [1.0, 4.0]}
+    with hicache(mnt, dtype=dtype, extra={"kv_scales": scales}) as hc:
+        assert hc.host_pool.dtype == torch.uint8
+        t = hc.storage.template
+        assert (t.dtype, t.kv["scales"]) == (name, scales)
+        assert hc.storage.codec.name == "zstd-1"        # (1-byte values: no byte planes)
+        k, v = sglang_cpu.random_kv(hc, len(tokens), seed=8)
+        hc.insert(tokens, k, v)
+        hc.wait_storage_writes()
+        pages = sglang_cpu.contract_page_bytes(k, v, 16)
+        assert len(pages[0]) == 2 * 2 * 16 * 4 * 64
+        assert longest_prefix(mnt.path, hc.storage.space, ck.chain_keys(tokens, 16)) == \
+            [digest(p) for p in pages]
+        scaled = hc.storage.space
+    with hicache(mnt, dtype=dtype, extra={"kv_scales": scales}) as fresh:
+        slots = fresh.load_back(tokens) if len(fresh.prefetch(tokens)) else None
+        assert slots is not None
+        dk, dv = fresh.device_kv(slots)
+        assert dk.view(torch.uint8).equal(k.view(torch.uint8)) and dv.view(torch.uint8).equal(v.view(torch.uint8))
+    with hicache(mnt, dtype=dtype, extra={"kv_scales": {"k": [1.0, 1.0], "v": [1.0, 1.0]}}) as ones:
+        assert ones.storage.template.kv["scales"] is None
+        space_of_ones = ones.storage.space
+    with hicache(mnt, dtype=dtype) as plain:
+        assert plain.storage.space == space_of_ones != scaled
+        assert len(plain.prefetch(tokens)) == 0     # (other scales: other keys, no hit)
 
 
 def test_a_damaged_page_is_stored_again_by_its_next_write_through(mount_factory):

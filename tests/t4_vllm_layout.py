@@ -102,3 +102,49 @@ def test_cpu_kernel_packings_are_converted_exactly(isa, dtype, n_layers):
     pools[1].scatter([0, 5], out)
     for a, b in zip(pools[0].layers, pools[1].layers):
         assert torch.equal(b[0], a[4]) and torch.equal(b[5], a[1])
+
+
+def fp8_values(shape, fp8: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Random finite fp8 values of *shape* (no NaN, no infinity, no -0)."""
+    raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(fp8)
+    keep = torch.isfinite(raw.float()) & (raw.float() != 0)
+    return torch.where(keep, raw, torch.ones((), dtype=fp8)).view(fp8)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, fp8", [("fp8_e4m3", torch.float8_e4m3fn),
+                                                 ("fp8_e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_fp8_kernel_packings_are_converted_exactly(isa, kv_cache_dtype, fp8, model_dtype):
+    """vLLM's CPU kernels quantize what they write to an fp8 cache (kept as uint8):
+    the probe, written as the engine writes (kv_cache_dtype, scale 1.0), finds the
+    packing, and blocks that vLLM's own kernel wrote at per-layer scales gather into
+    pages holding exactly the fp8 values it quantized to (SPEC §1), which scatter
+    back to the bytes it wrote."""
+    from vllm import _custom_ops as ops
+
+    from engine_bridge.vllm.packing import cpu_packing
+    B, Hh, N, Dd, n_layers = 6, 2, 32, 64, 2
+    packing = cpu_packing(isa, torch.uint8, N, Dd, kv_cache_dtype, model_dtype)
+    pools = [VllmKVPool.allocate_vllm(num_blocks=B, block_size=N, n_layers=n_layers, n_heads=Hh,
+                                      head_dim=Dd, dtype=fp8, order="LBHNC", packing=packing)
+             for _ in range(2)]
+    g = torch.Generator().manual_seed(7)
+    k8 = fp8_values((n_layers, B * N, Hh, Dd), fp8, g)
+    v8 = fp8_values((n_layers, B * N, Hh, Dd), fp8, g)
+    scales = [(0.5, 2.0), (4.0, 0.25)]      # (powers of two: value * scale is exact in the model dtype)
+    for layer, t in enumerate(pools[0].layers):
+        ks, vs = scales[layer]
+        kc, vc = t.view(torch.uint8).view(B, Hh, 2 * N, Dd).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache((k8[layer].to(model_dtype) * ks), (v8[layer].to(model_dtype) * vs),
+                                       kc, vc, torch.arange(B * N), isa, k_scale=ks, v_scale=vs,
+                                       kv_cache_dtype=kv_cache_dtype)
+    out = torch.empty((2, pools[0].page_bytes), dtype=torch.uint8)
+    pools[0].gather([4, 1], out)
+    for row, b in enumerate([4, 1]):
+        want = torch.cat([k8[:, b * N:(b + 1) * N].flatten(), v8[:, b * N:(b + 1) * N].flatten()])
+        assert torch.equal(out[row], want.view(torch.uint8)), (isa, b)
+    pools[1].scatter([0, 5], out)
+    for a, b in zip(pools[0].layers, pools[1].layers):
+        assert torch.equal(b[0].view(torch.uint8), a[4].view(torch.uint8))
+        assert torch.equal(b[5].view(torch.uint8), a[1].view(torch.uint8))

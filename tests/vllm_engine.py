@@ -16,8 +16,9 @@ too):
   a save's blocks are until its page-out ends); answers true.
 - ``{"op": "quit"}``.
 
-Nothing here changes vLLM: the model is a random-weights Llama saved with
-``save_pretrained`` (no hub access).
+Nothing here changes vLLM: the model is a random-weights Llama (or, with
+``--kind deepseek``, a DeepSeek-V2 of multi-head latent attention) saved
+with ``save_pretrained`` (no hub access).
 """
 
 from __future__ import annotations
@@ -52,6 +53,25 @@ def model_dir(path: str, n_heads: int, seed: int = 0) -> str:
     return path
 
 
+def deepseek_dir(path: str, seed: int = 0) -> str:
+    """A tiny random DeepSeek-V2 (MLA): vLLM's CPU MLA kernel takes only a latent of
+    512 + 64 values, so kv_lora_rank and qk_rope_head_dim are the real model's."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    import torch
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        cfg = DeepseekV2Config(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                               n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                               first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+                               qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                               topk_method="greedy", n_group=1, topk_group=1, vocab_size=1000,
+                               max_position_embeddings=2048, eos_token_id=999, bos_token_id=998,
+                               torch_dtype="bfloat16", initializer_range=0.2)
+        DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def pool_digests(worker) -> list[str]:
     """(Runs in a worker.) sha256 of each block of the connector's pool."""
     import hashlib
@@ -72,11 +92,13 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--root", required=True)
     ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--kind", default="llama", choices=("llama", "deepseek"), help="the model made")
     ap.add_argument("--seed", type=int, default=0, help="the weights' seed, when the model folder is made")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--blocks", type=int, default=0, help="num_gpu_blocks_override (0: vLLM's)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (fp8_e4m3, ...)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
@@ -85,10 +107,13 @@ def main() -> None:
         kw["num_gpu_blocks_override"] = a.blocks
     if a.tp > 1:
         kw["distributed_executor_backend"] = "mp"
-    llm = LLM(model=model_dir(a.model, a.kv_heads, a.seed), skip_tokenizer_init=True, dtype="bfloat16",
-              seed=0, block_size=32, max_model_len=a.max_model_len, enforce_eager=True,
+    deepseek = a.kind == "deepseek"
+    path = deepseek_dir(a.model, a.seed) if deepseek else model_dir(a.model, a.kv_heads, a.seed)
+    # (vLLM's CPU MLA kernel takes blocks of 16 tokens only)
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16",
+              seed=0, block_size=16 if deepseek else 32, max_model_len=a.max_model_len, enforce_eager=True,
               max_num_batched_tokens=a.batched_tokens, max_num_seqs=8,
-              enable_prefix_caching=True, tensor_parallel_size=a.tp,
+              enable_prefix_caching=True, tensor_parallel_size=a.tp, kv_cache_dtype=a.kv_cache_dtype,
               kv_transfer_config={"kv_connector": "PffsConnector",
                                   "kv_connector_module_path": "engine_bridge.vllm",
                                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

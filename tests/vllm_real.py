@@ -28,7 +28,8 @@ class VllmEngine:
     def __init__(self, tmp: Path, root: Path, *, kv_heads: int = 4, tp: int = 1, blocks: int = 0,
                  max_model_len: int = 1024, batched_tokens: int = 2048,
                  extra: dict[str, Any] | None = None, start_timeout: float = 300.0,
-                 isa: str | None = None, inproc: bool = False, seed: int = 0):
+                 isa: str | None = None, inproc: bool = False, seed: int = 0, kind: str = "llama",
+                 kv_cache_dtype: str = "auto"):
         self.log_path = tmp / f"vllm-{os.getpid()}-{id(self):x}.log"
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
@@ -44,12 +45,13 @@ class VllmEngine:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
                                                          for i in range(tp))
         # (a model folder a seed: the same config, other weights)
-        self.model = tmp.parent / (f"random-llama-h{kv_heads}" + (f"-seed{seed}" if seed else ""))
+        self.model = tmp.parent / ((f"random-llama-h{kv_heads}" if kind == "llama" else f"random-{kind}")
+                                   + (f"-seed{seed}" if seed else ""))
         cmd = [sys.executable, str(HERE / "vllm_engine.py"), "--model", str(self.model),
-               "--root", str(root), "--seed", str(seed),
+               "--root", str(root), "--seed", str(seed), "--kind", kind,
                "--kv-heads", str(kv_heads), "--tp", str(tp), "--blocks", str(blocks),
                "--max-model-len", str(max_model_len), "--batched-tokens", str(batched_tokens),
-               "--extra", json.dumps(extra or {})]
+               "--kv-cache-dtype", kv_cache_dtype, "--extra", json.dumps(extra or {})]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, env=env, start_new_session=True)

@@ -44,7 +44,7 @@ from engine_bridge.errors import (
 from engine_bridge.transport.choose import as_sink, as_source
 from engine_bridge.transport.session_io import SessionSource, SinkLike, SourceLike
 from pffs.manifest import LAYOUTS as PAGE_LAYOUTS
-from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse
+from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse, plain_scales
 from pffs.types import Digest, digest_of
 
 #: The page-byte layouts this bridge reads and writes.
@@ -91,7 +91,10 @@ class PageInResult:
 
 
 def _kv_norm(kv: dict[str, Any] | None) -> dict[str, Any]:
-    return {**DEFAULT_KV, **(kv or {})}
+    # (scales null and scales all 1.0 are one convention: values not scaled)
+    out = {**DEFAULT_KV, **(kv or {})}
+    out["scales"] = plain_scales(out["scales"])
+    return out
 
 
 def check_manifest(manifest: Manifest, geometry: dict[str, Any], kv: dict[str, Any] | None,
@@ -104,8 +107,12 @@ def check_manifest(manifest: Manifest, geometry: dict[str, Any], kv: dict[str, A
     that check).  A session without ``model.weights_sha256`` goes into an
     engine that has one only with *trust_unfingerprinted* (or ``force``):
     nothing says which weights wrote it.  A manifest without ``kv`` is taken
-    to follow :data:`~engine_bridge.core.pool.DEFAULT_KV`.
+    to follow :data:`~engine_bridge.core.pool.DEFAULT_KV`.  Attention comes
+    first: an MLA page (one latent vector a token) is no K/V page of any geometry.
     """
+    mine_att = geometry.get("attention", "mha")
+    if manifest.attention != mine_att:
+        raise MismatchError("attention", manifest.attention, mine_att)
     for key in ("page_size_tokens", "n_layers", "n_heads", "head_dim", "dtype"):
         if getattr(manifest, key) != geometry[key]:
             raise MismatchError(key, getattr(manifest, key), geometry[key])

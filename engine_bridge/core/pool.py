@@ -493,3 +493,104 @@ def _offset(a: np.ndarray, start: int, n: int = 1) -> np.ndarray:
 def _torch_int(itemsize: int) -> torch.dtype:
     """The torch integer type of *itemsize* bytes (numpy has no bf16 or fp8)."""
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
+def mla_kv(kv_lora_rank: int, qk_rope_head_dim: int) -> dict[str, Any]:
+    """The manifest's ``kv`` of MLA pages (SPEC §1.1): each latent vector is
+    ``kv_lora_rank`` compressed values, then ``qk_rope_head_dim`` rotary ones (after RoPE)."""
+    return {**DEFAULT_KV, "kv_lora_rank": int(kv_lora_rank), "qk_rope_head_dim": int(qk_rope_head_dim)}
+
+
+class MlaKVPool(KVPool):
+    """An engine's per-layer latent caches (multi-head latent attention) as a bridge pool.
+
+    A layer is ``[B, N, latent]`` or ``[B, 1, N, latent]`` (kernel blocks, token
+    slots, latent vector: ``kv_lora_rank`` compressed values, then the rotary
+    part), a token's vector one contiguous row, as vLLM's MLA backends keep it.
+    A page is SPEC §1.1's: ``[n_layers, page_size_tokens, latent]``, no K/V
+    pair; its geometry says ``attention: mla``, one head of ``latent`` values.
+    When the kernel splits a block into ``r`` kernel blocks, the view's first
+    dimension is ``r * num_blocks`` and a block of this pool is ``r`` of them.
+    Every tensor-parallel rank holds the whole latent.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], num_blocks: int, *, kv_lora_rank: int,
+                 qk_rope_head_dim: int, layout_name: str = "vllm mla BNC"):
+        if not views:
+            raise ValueError("a KV pool needs at least one layer")
+        layers = [v.squeeze(1) if v.dim() == 4 and v.shape[1] == 1 else v for v in views]
+        first = layers[0]
+        if first.dim() != 3:
+            raise ValueError(f"latent caches are [B, N, latent] or [B, 1, N, latent], not "
+                             f"shape {tuple(views[0].shape)}")
+        kblocks, nk, latent = first.shape
+        if latent != kv_lora_rank + qk_rope_head_dim:
+            raise ValueError(f"a latent of {latent} values is not kv_lora_rank {kv_lora_rank} + "
+                             f"qk_rope_head_dim {qk_rope_head_dim}")
+        if num_blocks <= 0 or kblocks % num_blocks:
+            raise ValueError(f"{kblocks} kernel blocks do not split into {num_blocks} blocks")
+        for i, t in enumerate(layers):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(f"layer {i} differs from layer 0 in shape, dtype or device")
+            if t.stride(-1) != 1 or t.stride(1) != latent:
+                raise ValueError(f"layer {i}: a token's latent vector must be one contiguous row")
+        r = kblocks // num_blocks
+        self.layout = KVLayout(layout_name, (0, 1, 2, 3, 4))    # (a name: MLA has no K/V axis)
+        self.layers = layers
+        self.num_blocks, self.block_size, self.n_heads, self.head_dim = num_blocks, r * nk, 1, latent
+        self.kernel_blocks_per_block = r
+        self._describe(first, mla_kv(kv_lora_rank, qk_rope_head_dim))
+        # Byte views [B, r, N, latent bytes]: a block's kernel blocks, each of token rows.
+        self._canon = [t.view(torch.uint8).unflatten(0, (num_blocks, r)) for t in self.layers]
+        self._np = None
+        self._stacked = None
+
+    @property
+    def page_bytes(self) -> int:
+        return self.n_layers * self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def geometry(self) -> dict[str, Any]:
+        return {**super().geometry, "attention": "mla"}
+
+    def _page_view(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(buf.shape[0], self.n_layers, *self._canon[0].shape[1:])
+
+    def gather(self, index: torch.Tensor | Sequence[int], out: torch.Tensor) -> None:
+        o = self._page_view(out)
+        if self.device.type == "cpu":      # (numpy, as KVPool.gather says why)
+            on = o.numpy()
+            blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+            for layer, c in enumerate(self._canon_np()):
+                for r, b in enumerate(blocks):
+                    on[r, layer] = c[b]
+            return
+        index = self.as_index(index)
+        for layer, c in enumerate(self._canon):
+            o.select(1, layer).copy_(c.index_select(0, index))
+
+    def zero_tail(self, out: torch.Tensor, row: int, fill: int) -> None:
+        out.view(out.shape[0], self.n_layers, self.block_size, -1)[row, :, fill:].zero_()
+
+    def scatter(self, index: torch.Tensor | Sequence[int], src: torch.Tensor) -> None:
+        s = self._page_view(src)
+        if self.device.type == "cpu":
+            sn = s.numpy()
+            blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+            for layer, c in enumerate(self._canon_np()):
+                for r, b in enumerate(blocks):
+                    c[b] = sn[r, layer]
+            return
+        index = self.as_index(index)
+        for layer, c in enumerate(self._canon):
+            c.index_copy_(0, index, s.select(1, layer))
+
+    @classmethod
+    def allocate_mla(cls, *, num_blocks: int, block_size: int, n_layers: int, kv_lora_rank: int,
+                     qk_rope_head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                     device: str | torch.device = "cpu") -> "MlaKVPool":
+        """A zero-filled pool of one allocation, ``[L, B, 1, N, latent]`` (for tests)."""
+        raw = torch.zeros((n_layers, num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim),
+                          dtype=dtype, device=device)
+        return cls(list(raw.unbind(0)), num_blocks, kv_lora_rank=kv_lora_rank,
+                   qk_rope_head_dim=qk_rope_head_dim)

@@ -39,7 +39,10 @@ Extra config: ``root`` (a pffs mount, required), ``config_sha256`` and
 ``weights_sha256`` (the model's identity when SGLang's model path is not a
 local Hugging Face folder; without a weights fingerprint the backend
 refuses to start), ``io_threads`` (pages encoded, decoded and hashed at once; default
-up to 4).  Refused at start, in one line: MLA models, pipeline parallel,
+up to 4), ``kv_scales`` (an fp8 cache's scales, ``{"k": [one per layer], "v": [...]}``:
+SGLang does not show a storage backend its attention layers; default null, 1.0).
+An fp8 cache (``--kv-cache-dtype`` fp8_e4m3, fp8_e5m2: a uint8 host pool) is
+stored as fp8 pages of that dtype, with zstd (1-byte values have no byte planes).  Refused at start, in one line: MLA models, pipeline parallel,
 extra host pools (Mamba, sliding window, draft), a host layout other than
 the three above.  At tensor parallel > 1 every rank reads its heads of the
 whole-head pages; SGLang writes per-rank slices, which pffs does not keep
@@ -67,8 +70,9 @@ from engine_bridge.transport.store_blobs import decode_page, fetch_frame
 from pffs.client.access import gc_lock
 from pffs.client.chainkeys import manifest_namespace
 from pffs.client.prefix_lookup import PrefixIndex, cache_blobs
+from pffs.codec import for_itemsize
 from pffs.errors import MissingBlob, PffsError
-from pffs.manifest import Manifest
+from pffs.manifest import Manifest, plain_scales
 from pffs.types import Digest, digest_of
 
 log = logging.getLogger("sglang.pffs")
@@ -81,6 +85,25 @@ HEX = frozenset("0123456789abcdef")
 
 def is_key(k: object) -> bool:
     return isinstance(k, str) and len(k) == 64 and HEX.issuperset(k)
+
+
+#: SGLang's fp8 ``--kv-cache-dtype`` names: its host pool keeps such a cache as
+#: uint8, the bytes of this dtype.
+FP8_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def page_dtype(host_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a page of a host pool of *host_dtype* holds: a uint8 pool is the fp8
+    cache SGLang's kv_cache_dtype names (ValueError for any other)."""
+    if host_dtype != torch.uint8:
+        return host_dtype
+    from sglang.srt.runtime_context import get_model
+    name = str(get_model().kv_cache_dtype)
+    if name not in FP8_CACHE_DTYPES:
+        raise ValueError(f"pffs HiCache storage: a uint8 host pool of kv_cache_dtype {name!r} is not "
+                         f"supported (fp8 caches are: {', '.join(FP8_CACHE_DTYPES)}; a checkpoint's own "
+                         "KV quantization is not)")
+    return FP8_CACHE_DTYPES[name]
 
 
 def model_identity(model_path: str | None, extra: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +154,7 @@ class PffsHiCacheStorage(HiCacheStorage):
         self.blobs = access.blobs()
         self.tp_rank, self.tp_size = storage_config.tp_rank, storage_config.tp_size
         self.identity = model_identity(storage_config.model_name, extra)
+        self.extra = extra
         self.io_threads = max(1, int(extra.get("io_threads", min(4, os.cpu_count() or 1))))
         self._threads = ThreadPoolExecutor(self.io_threads, thread_name_prefix="pffs-hicache")
         self._local = threading.local()
@@ -148,28 +172,31 @@ class PffsHiCacheStorage(HiCacheStorage):
         if not all(hasattr(host, a) for a in ("head_num", "head_dim", "layer_num", "kv_buffer")):
             raise ValueError(f"pffs HiCache storage: a {type(host).__name__} host pool is not an MHA "
                              "pool of K and V")
-        if host.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"pffs HiCache storage: an fp8 KV cache ({host.dtype}) is not supported: "
-                             "its scales are not carried")
-        if host.dtype not in DTYPE_NAMES:
+        dtype = page_dtype(host.dtype)
+        if dtype not in DTYPE_NAMES:
             raise ValueError(f"pffs HiCache storage: KV dtype {host.dtype} is not one pages hold")
+        kv = dict(DEFAULT_KV, scales=plain_scales(self.extra.get("kv_scales")))
+        if not DTYPE_NAMES[dtype].startswith("fp8") and kv["scales"] is not None:
+            raise ValueError("pffs HiCache storage: kv_scales given for a KV cache that is not fp8")
         super().register_mem_pool_host(host)
         self.page_size = int(host.page_size)
         self.n_layers, self.heads, self.head_dim = int(host.layer_num), int(host.head_num), int(host.head_dim)
         self.n_heads = self.heads * self.tp_size          # whole-head pages
         self.first_head = self.heads * self.tp_rank
+        # (fp8 pages: zstd, not byte planes of 16-bit values)
+        self.codec = for_itemsize(self.blobs.codec, dtype.itemsize)
         self.page_bytes = 2 * self.n_layers * self.page_size * self.n_heads * self.head_dim * host.dtype.itemsize
         # The manifest this engine's pages would have: their key namespace is its.
         self.template = Manifest(page_size_tokens=self.page_size, n_layers=self.n_layers,
                                  n_heads=self.n_heads, head_dim=self.head_dim,
-                                 dtype=DTYPE_NAMES[host.dtype], pages=[], layout=SUPPORTED_LAYOUTS[0],
-                                 model=self.identity, kv=dict(DEFAULT_KV), engine={"name": "sglang"})
+                                 dtype=DTYPE_NAMES[dtype], pages=[], layout=SUPPORTED_LAYOUTS[0],
+                                 model=self.identity, kv=kv, engine={"name": "sglang"})
         self.space = manifest_namespace(json.loads(self.template.to_json()))
         if self.tp_rank == 0:
             self._write_template()
         log.info("pffs HiCache storage on %s: %d layers x %d heads x %d x %d tokens (%s), %s layout, "
                  "key namespace %s", self.mount, self.n_layers, self.n_heads, self.head_dim,
-                 self.page_size, DTYPE_NAMES[host.dtype], layout, self.space[:16])
+                 self.page_size, DTYPE_NAMES[dtype], layout, self.space[:16])
 
     def _write_template(self) -> None:
         """``ROOT/.hicache/<namespace>.json``: a manifest with no pages, of this model,
@@ -307,7 +334,7 @@ class PffsHiCacheStorage(HiCacheStorage):
         self._typed(staging).copy_(src)
         data = staging.numpy().data
         d = digest_of(data)
-        self.blobs.put(data, d, batch=batch)
+        self.blobs.put(data, d, batch=batch, codec=self.codec)
         return d
 
     def _set(self, keys: Sequence[str], views: Callable[[], list[torch.Tensor]]) -> list[bool]:

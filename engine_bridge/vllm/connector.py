@@ -30,7 +30,10 @@ refusal never costs a block: the request then computes its prompt itself.
 Sessions do not depend on parallelism: at tensor-parallel size k every rank
 gives its heads of each page to the group's first rank, which writes
 whole-head pages; a load at any size whose head split divides the heads
-scatters each rank's slice.  Pipeline parallel is refused at start.
+scatters each rank's slice.  Multi-head latent attention (DeepSeek-V2/V3,
+Kimi K2) is saved as SPEC §1.1 pages (one latent vector a token and layer):
+every rank holds the whole latent, so the first rank alone writes and every
+rank loads whole pages.  Pipeline parallel is refused at start.
 ``docs/engines.md`` §10 says more.
 """
 
@@ -51,18 +54,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from engine_bridge.core.bridge import Bridge, SeqBlocks
 from engine_bridge.core.identity import checkpoint_weights_sha256, hf_config_sha256
-from engine_bridge.core.pool import DTYPE_NAMES, BlockId, KVPool, VllmKVPool
+from engine_bridge.core.pool import DEFAULT_KV, DTYPE_NAMES, BlockId, KVPool, MlaKVPool, VllmKVPool, mla_kv
 from engine_bridge.errors import BridgeError
 from engine_bridge.transport.mountinfo import StoreAccess, mounted_store, store_access
 from engine_bridge.transport.save_names import save_place
 from engine_bridge.transport.store_blobs import BlobSource
-from engine_bridge.vllm.kinds import refused_kind
+from engine_bridge.vllm.kinds import kv_scales, page_dtype, refused_kind
 from engine_bridge.vllm.lanes import HeadSlicePool, Lane, join_slices, wait_lanes
-from engine_bridge.vllm.packing import engine_packing
+from engine_bridge.vllm.packing import check_latent_rows, engine_packing
 from engine_bridge.vllm.plans import (
     INPUTS,
     LOAD,
@@ -160,8 +163,12 @@ class PffsConnector(KVConnectorBase_V1):
             raise ValueError("PffsConnector: pipeline parallel (size "
                              f"{par.pipeline_parallel_size}) is not supported; use tensor parallel")
         self.tp = par.tensor_parallel_size
-        self.n_heads = mc.get_total_num_kv_heads()
-        if self.n_heads % self.tp or spec.num_kv_heads * self.tp != self.n_heads:
+        # MLA (SPEC §1.1): one latent "head" of kv_lora_rank + qk_rope_head_dim
+        # values, whole on every rank.
+        self.mla = self._latent(spec, mc.hf_text_config) if isinstance(spec, MLAAttentionSpec) else None
+        self.kv = mla_kv(*self.mla) if self.mla else dict(DEFAULT_KV)
+        self.n_heads = 1 if self.mla else mc.get_total_num_kv_heads()
+        if not self.mla and (self.n_heads % self.tp or spec.num_kv_heads * self.tp != self.n_heads):
             raise ValueError(f"PffsConnector: {self.n_heads} KV heads do not split evenly over "
                              f"tensor-parallel size {self.tp}")
         self.layer_names = list(groups[0].layer_names)
@@ -169,7 +176,20 @@ class PffsConnector(KVConnectorBase_V1):
         # Whole-head geometry: what a session holds at any parallelism.
         self.geometry = {"page_size_tokens": spec.block_size, "n_layers": len(self.layer_names),
                          "n_heads": self.n_heads, "head_dim": spec.head_size,
-                         "dtype": DTYPE_NAMES[spec.dtype]}
+                         "dtype": DTYPE_NAMES[page_dtype(vllm_config.cache_config.cache_dtype, spec.dtype)]}
+        try:
+            self.kv["scales"] = kv_scales(vllm_config, self.layer_names)
+        except ValueError as e:
+            raise ValueError(f"PffsConnector: {e}") from None
+        if self.mla:
+            self.geometry["attention"] = "mla"
+        # vLLM turns its prefix cache off for MLA where its kernels cannot go on
+        # from a cached prefix (its CPU reference backend, CPU_MLA): a load there
+        # would give other tokens than computing, so only saves are served.
+        self.no_loads = ("vLLM runs this MLA model without its prefix cache, so its kernels "
+                         "cannot continue a prompt from loaded KV: sessions load into an MLA "
+                         "engine with a prefix cache" if self.mla and
+                         not vllm_config.cache_config.enable_prefix_caching else None)
         weights = str(extra.get("weights_sha256") or "") or checkpoint_weights_sha256(mc.model, mc.revision)
         if not weights:
             raise ValueError(f"PffsConnector: no weight files found for model {mc.model!r}: give "
@@ -187,7 +207,7 @@ class PffsConnector(KVConnectorBase_V1):
         if policy not in ("recompute", "fail"):
             raise ValueError(f"PffsConnector: load_failure {policy!r} is neither 'recompute' nor 'fail'")
         self._kv_transfer_config.kv_load_failure_policy = policy  # type: ignore[assignment]
-        self.space = prefix_space(self.geometry, self.model)
+        self.space = prefix_space(self.geometry, self.model, self.kv)
         self._index: PrefixIndex | None = None
         self._access: StoreAccess | None = None
         # (mount point, store) the root is in at start; every save and load checks it still is.
@@ -207,6 +227,15 @@ class PffsConnector(KVConnectorBase_V1):
         self._rank = 0
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _latent(spec: Any, hf: Any) -> tuple[int, int]:
+        """(kv_lora_rank, qk_rope_head_dim) of an MLA model, checked against its cache spec."""
+        rank, rope = getattr(hf, "kv_lora_rank", None), getattr(hf, "qk_rope_head_dim", None)
+        if not isinstance(rank, int) or not isinstance(rope, int) or rank + rope != spec.head_size:
+            raise ValueError(f"PffsConnector: an MLA cache of {spec.head_size} values a token that the "
+                             f"model's kv_lora_rank {rank} and qk_rope_head_dim {rope} do not make up")
+        return rank, rope
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -239,7 +268,9 @@ class PffsConnector(KVConnectorBase_V1):
                                    inputs_of(request))
             else:
                 plan = plan_load(self.root, name, params, prompt, self.block_size, self.geometry,
-                                 self.model, inputs_of(request))
+                                 self.model, inputs_of(request), kv=self.kv)
+            if self.no_loads and not plan.error:
+                plan.error = f"{LOAD if name else PREFIX}{f' {name!r}' if name else ''}: {self.no_loads}"
             self._plans[request.request_id] = plan
             if plan.error:
                 log.warning("request %s: %s", request.request_id, plan.error)
@@ -348,9 +379,17 @@ class PffsConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         order = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
         views = [kv_caches[n] for n in self.layer_names]
+        if self.mla:
+            self._register_latent(views)
+            return
         packing = engine_packing(self._vllm_config, self.layer_names, views[0].shape[2],
                                  views[0].shape[3] // 2, views[0].dtype)
-        pool = self._pool = VllmKVPool(views, order, self._kv_cache_config.num_blocks, packing=packing)
+        # An fp8 cache's uint8 as the bytes of its fp8 dtype; its scales now the weights are in.
+        fp8 = page_dtype(self._vllm_config.cache_config.cache_dtype, views[0].dtype)
+        views = [v.view(fp8) for v in views]
+        self.kv["scales"] = kv_scales(self._vllm_config, self.layer_names)
+        pool = self._pool = VllmKVPool(views, order, self._kv_cache_config.num_blocks, kv=self.kv,
+                                       packing=packing)
         log.info("pffs: KV pages converted from vLLM's %s packing (%s)", packing.name, order)
         load_pool: KVPool = pool
         if self.tp > 1:
@@ -367,6 +406,24 @@ class PffsConnector(KVConnectorBase_V1):
                                    io_workers=min(4, workers))
         self._load_bridge = Bridge(load_pool, None, engine_name=self.engine, model=self.model,
                                    io_workers=min(4, workers))
+        self._lanes = (Lane("save", self.nice[0]), Lane("load", self.nice[1]))
+        if self.tp == 1:
+            _LOCAL_WORKERS[self._engine_key()] = self
+
+    def _register_latent(self, views: list[torch.Tensor]) -> None:
+        """The worker's pool of an MLA engine: its latent caches, the same whole
+        latent on every rank (no gather; the first rank writes, every rank loads)."""
+        assert self.mla is not None
+        backend = check_latent_rows(self._vllm_config, self.layer_names, views[0], self.mla[0])
+        pool = self._pool = MlaKVPool(views, self._kv_cache_config.num_blocks, kv_lora_rank=self.mla[0],
+                                      qk_rope_head_dim=self.mla[1])
+        log.info("pffs: latent (MLA) pages of vLLM's %s cache, %s", backend, tuple(views[0].shape))
+        if self.tp > 1:
+            from vllm.distributed import get_tp_group
+            self._rank = get_tp_group().rank_in_group
+        workers = min(4, os.cpu_count() or 1)
+        self._save_bridge = Bridge(pool, None, engine_name=self.engine, model=self.model, io_workers=workers)
+        self._load_bridge = Bridge(pool, None, engine_name=self.engine, model=self.model, io_workers=workers)
         self._lanes = (Lane("save", self.nice[0]), Lane("load", self.nice[1]))
         if self.tp == 1:
             _LOCAL_WORKERS[self._engine_key()] = self
@@ -411,7 +468,7 @@ class PffsConnector(KVConnectorBase_V1):
             if job.digests is None:
                 src: Any = session_path(self.root, job.name)
             else:       # (a prefix found by tokens: its blobs read by digest)
-                manifest = prefix_manifest(self.geometry, self.model, job.digests)
+                manifest = prefix_manifest(self.geometry, self.model, job.digests, self.kv)
                 nbytes = parse(manifest).page_bytes
                 src = BlobSource(manifest, [nbytes] * len(job.digests), self._store())
             bridge.load_into(src, job.page_ixs, job.block_ids, trust_unfingerprinted=job.trust)
@@ -435,6 +492,8 @@ class PffsConnector(KVConnectorBase_V1):
             if gone:
                 raise ValueError(gone)
             save_place(self.root, job.name)     # (again: a link put on the way since it was scheduled)
+            if self.mla and self._rank:
+                return      # (every rank holds the whole latent: the first writes the session)
             if self._group is not None:
                 joined = join_slices(bridge.pool, blocks, self._group, self.tp, self._rank)
                 if joined is None:

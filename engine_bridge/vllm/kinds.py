@@ -1,7 +1,9 @@
 """Which vLLM models the connector serves, and a refusal naming the kind of those it does not.
 
 A session page is SPEC §1's: K and V of every head of every layer, for
-every token of the page.  Models whose cache is something else are refused
+every token of the page; or, for multi-head latent attention (DeepSeek-V2/V3,
+Kimi K2: ``MLAAttentionSpec``), §1.1's: one latent vector a token and layer.
+Models whose cache is something else are refused
 at start with one line that names what they are, not a symptom (a head
 size of 0, a dtype of uint8, a count of cache groups).
 """
@@ -10,7 +12,44 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from engine_bridge.core.pool import DTYPE_NAMES
+from pffs.manifest import plain_scales
+
+#: vLLM's fp8 ``kv_cache_dtype`` names and the dtype whose bytes each keeps
+#: (vLLM's cache tensors are uint8 then: a page holds them as that fp8 dtype).
+FP8_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                                            "fp8_e5m2": torch.float8_e5m2}
+
+
+def page_dtype(cache_dtype: str, spec_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a page of this cache holds: the fp8 one *cache_dtype* names, else the cache's own."""
+    return FP8_CACHE_DTYPES.get(str(cache_dtype), spec_dtype)
+
+
+def kv_scales(vllm_config: Any, layer_names: list[str]) -> dict[str, list[float]] | None:
+    """The manifest's ``kv.scales`` of this engine's pages: for an fp8 cache, the
+    scales its attention layers quantize K and V with (each layer's
+    ``_k_scale_float``/``_v_scale_float``, which vLLM's CPU attention hands
+    ``cpu_attn_reshape_and_cache``: final once the weights are loaded), None
+    when every one is 1.0 or the cache is not fp8.  Where the layers are in
+    other processes (the scheduler's, beside workers of their own), a model
+    without a quantization method is quantized at 1.0 by every layer; ValueError
+    for one with (its checkpoint may hold scales only the workers read)."""
+    if str(vllm_config.cache_config.cache_dtype) not in FP8_CACHE_DTYPES:
+        return None
+    ctx = vllm_config.compilation_config.static_forward_context
+    layers = [ctx.get(n) for n in layer_names]
+    if not layers or any(layer is None or not hasattr(layer, "_k_scale_float") for layer in layers):
+        quantization = getattr(vllm_config.model_config, "quantization", None)
+        if quantization is None:
+            return None
+        raise ValueError(f"an fp8 KV cache of a {quantization}-quantized checkpoint whose attention "
+                         "layers are in other processes is not supported: its scales are not known here")
+    scales = {"k": [float(layer._k_scale_float) for layer in layers],
+              "v": [float(layer._v_scale_float) for layer in layers]}
+    return plain_scales(scales)
 
 
 def refused_kind(vllm_config: Any, kv_cache_config: Any) -> str | None:
@@ -29,13 +68,10 @@ def refused_kind(vllm_config: Any, kv_cache_config: Any) -> str | None:
         kinds = ", ".join(sorted({type(s).__name__ for s in state}))
         return ("hybrid models with linear-attention or state-space layers "
                 f"({kinds}) are not supported: their state is not K/V pages")
-    if any(isinstance(s, MLAAttentionSpec) for s in specs) or \
-            getattr(vllm_config.model_config, "use_mla", False):
-        return ("multi-head latent attention (DeepSeek-style MLA: one latent vector a token "
-                "instead of K and V heads) is not supported")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype.startswith("fp8"):
-        return f"an fp8 KV cache (kv_cache_dtype {cache_dtype}) is not supported"
+    if cache_dtype not in ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES):
+        return (f"a KV cache quantized as {cache_dtype} is not supported (fp8 caches are: "
+                f"{', '.join(FP8_CACHE_DTYPES)})")
     windowed = [s for s in specs if isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec))]
     if windowed:
         w = windowed[0]
@@ -48,8 +84,14 @@ def refused_kind(vllm_config: Any, kv_cache_config: Any) -> str | None:
         return (f"{len(specs)} KV cache groups "
                 f"({', '.join(type(s).__name__ for s in specs)}); pages need one group of full attention")
     spec = specs[0]
-    if spec.head_size_v != spec.head_size:
+    if isinstance(spec, MLAAttentionSpec):
+        if spec.model_version or spec.alignment:
+            return (f"a compressed or sparse latent cache ({spec.model_version or 'aligned'} MLA) "
+                    "is not supported: its blocks are not one latent vector a token")
+        if spec.num_kv_heads != 1:
+            return f"an MLA cache of {spec.num_kv_heads} latent heads; pages hold one"
+    elif spec.head_size_v != spec.head_size:
         return f"K and V head sizes differ ({spec.head_size}/{spec.head_size_v}): pages need one head_dim"
-    if spec.dtype not in DTYPE_NAMES:
+    if page_dtype(cache_dtype, spec.dtype) not in DTYPE_NAMES:
         return f"a KV cache of {spec.dtype} has no page dtype"
     return None

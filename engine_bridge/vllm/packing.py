@@ -29,6 +29,10 @@ TOKEN_ROW_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
 
 #: Digits of a probe: every float dtype holds integers 1..200 exactly.
 _BASE = 200
+#: Digits of an fp8 cache's probe: the 64 fp8 values from 1.0 up (e4m3: 1.0 to
+#: 240, e5m2: 1.0 to 57344), exact in fp8 and in every model dtype, so the
+#: kernel's quantization at scale 1.0 writes each as its own byte.
+_FP8_BASE = 64
 
 
 def engine_packing(vllm_config: Any, layer_names: Sequence[str], kernel_block: int,
@@ -56,32 +60,84 @@ def engine_packing(vllm_config: Any, layer_names: Sequence[str], kernel_block: i
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
         cc = vllm_config.cache_config
         isa = _get_attn_isa(vllm_config.model_config.dtype, cc.block_size, head_dim, cc.cache_dtype)
-    return cpu_packing(str(isa), dtype, kernel_block, head_dim)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    return cpu_packing(str(isa), dtype, kernel_block, head_dim, cache_dtype, vllm_config.model_config.dtype)
 
 
-def cpu_packing(isa: str, dtype: torch.dtype, kernel_block: int, head_dim: int) -> BlockPacking:
+def cpu_packing(isa: str, dtype: torch.dtype, kernel_block: int, head_dim: int,
+                kv_cache_dtype: str = "auto", model_dtype: torch.dtype = torch.float32) -> BlockPacking:
     """The packing vLLM's CPU kernel for *isa* writes: one head's block filled
     by ``cpu_attn_reshape_and_cache`` with each element's index, a base-200
-    digit at a time, and read back."""
+    digit at a time, and read back.  An fp8 cache (*kv_cache_dtype* fp8,
+    fp8_e4m3 or fp8_e5m2; *dtype* uint8) is written as the engine writes it,
+    quantizing *model_dtype* values at scale 1.0: its digits are fp8 values,
+    read back by their bytes."""
     from vllm import _custom_ops as ops
+
+    from engine_bridge.vllm.kinds import FP8_CACHE_DTYPES
     n, d = kernel_block, head_dim
+    fp8 = FP8_CACHE_DTYPES.get(kv_cache_dtype)
+    if fp8 is None:
+        base, first, values = _BASE, 1, (torch.arange(_BASE) + 1).to(dtype)
+    else:
+        base, first = _FP8_BASE, int(torch.tensor(1.0, dtype=fp8).view(torch.uint8))
+        values = torch.arange(first, first + base, dtype=torch.uint8).view(fp8).to(model_dtype)
     cache = torch.zeros((1, 1, n, 2 * d), dtype=dtype)       # one kernel block of one head
     k_cache, v_cache = cache.view(1, 1, 2 * n, d).chunk(2, dim=2)   # (as CPUAttentionBackendImpl splits it)
     index = torch.arange(n * d).view(n, 1, d)
     found = np.zeros(2 * n * d, dtype=np.int64)
     scale = 1
     while scale < n * d:
-        digit = (index // scale % _BASE + 1).to(dtype)
+        digit = values[index // scale % base]
         cache.zero_()
         ops.cpu_attn_reshape_and_cache(digit, digit, k_cache, v_cache, torch.arange(n), isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        got = cache.view(-1).float().numpy().astype(np.int64)
-        if got.min() < 1 or got.max() > _BASE:
+                                       k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto" if fp8 is None else kv_cache_dtype)
+        written = cache.view(-1).numpy() if fp8 is not None else cache.view(-1).float().numpy()
+        got = written.astype(np.int64) - first
+        if got.min() < 0 or got.max() >= base:
             raise ValueError(f"vLLM's {isa} kernel did not write a {n}-token block of head size {d} "
                              "as a permutation of its elements")
-        found += (got - 1) * scale
-        scale *= _BASE
+        found += got * scale
+        scale *= base
     where = np.arange(2 * n * d)
     pos = np.empty((2, n, d), dtype=np.int64)
     pos[where // (n * d), found // d, found % d] = where
     return BlockPacking(f"cpu {isa}", pos)
+
+
+def check_latent_rows(vllm_config: Any, layer_names: Sequence[str], view: torch.Tensor,
+                      kv_lora_rank: int) -> str:
+    """The name of the MLA backend of a running vLLM engine's layers *layer_names*, once
+    its own cache writer (the layer's ``do_kv_cache_update``) wrote one probe block of
+    *view*'s shape as token rows (each token's compressed values, then its rotary part,
+    in one row: SPEC §1.1's order); ValueError naming the backend when it did not."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    layers = [ctx[n] for n in layer_names if n in ctx]
+    if not layers:
+        raise ValueError("PffsConnector: vLLM registered no attention layer "
+                         f"{layer_names[0]!r}: its latent cache's packing is unknown")
+    names = {layer.attn_backend.get_name() for layer in layers}
+    if len(names) != 1:
+        raise ValueError(f"PffsConnector: layers use several attention backends ({', '.join(sorted(names))})")
+    backend = names.pop()
+    n, d = view.shape[-2], view.shape[-1]
+    cache = torch.zeros((1, *view.shape[1:]), dtype=view.dtype, device=view.device)
+    index = torch.arange(n * d, device=view.device).view(n, d)
+    scale, found = 1, torch.zeros(n * d, dtype=torch.long)
+    try:
+        while scale < n * d:
+            digit = (index // scale % _BASE + 1).to(view.dtype)
+            cache.zero_()
+            layers[0].impl.do_kv_cache_update(digit[:, :kv_lora_rank].contiguous(),
+                                              digit[:, kv_lora_rank:].unsqueeze(1).contiguous(), cache,
+                                              torch.arange(n, device=view.device), "auto",
+                                              torch.ones((), device=view.device))
+            found += (cache.reshape(-1).to("cpu", torch.float32).long() - 1) * scale
+            scale *= _BASE
+    except Exception as e:      # (a writer that cannot take the probe: packing unknown)
+        raise ValueError(f"PffsConnector: the {backend} latent cache could not be probed ({e})") from None
+    if not torch.equal(found, torch.arange(n * d)):
+        raise ValueError(f"PffsConnector: the {backend} attention backend packs its latent cache "
+                         "in blocks pffs does not know (known: one row a token)")
+    return backend

@@ -110,7 +110,8 @@ def seq_of(manifest: Manifest, seq_id: Any) -> LogicalSeq:
 
 
 def plan_load(root: Path, name: Any, params: dict[str, Any], prompt: list[int], block_size: int,
-              geometry: dict[str, Any], model: dict[str, Any], inputs: dict[str, Any]) -> LoadPlan:
+              geometry: dict[str, Any], model: dict[str, Any], inputs: dict[str, Any],
+              kv: dict[str, Any] | None = None) -> LoadPlan:
     """Read and check session *name*'s manifest, and match *prompt* to its tokens.
 
     At most the prompt less its last token is loaded (vLLM computes that one
@@ -124,7 +125,7 @@ def plan_load(root: Path, name: Any, params: dict[str, Any], prompt: list[int], 
             raise ValueError(f"{folder}: no such file or folder")
         manifest = read_manifest(as_source(folder))
         try:
-            check_manifest(manifest, geometry, DEFAULT_KV, model, trust_unfingerprinted=plan.trust)
+            check_manifest(manifest, geometry, kv or DEFAULT_KV, model, trust_unfingerprinted=plan.trust)
         except Unfingerprinted as e:
             raise Unfingerprinted(e.engine, f'"{TRUST}": true in kv_transfer_params') from None
         why = inputs_differ(manifest.extra.get(INPUTS), inputs)
@@ -145,17 +146,18 @@ def plan_load(root: Path, name: Any, params: dict[str, Any], prompt: list[int], 
     return plan
 
 
-def prefix_manifest(geometry: dict[str, Any], model: dict[str, Any], digests: list[str]) -> bytes:
+def prefix_manifest(geometry: dict[str, Any], model: dict[str, Any], digests: list[str],
+                    kv: dict[str, Any] | None = None) -> bytes:
     """A manifest of *digests* as this engine's sessions are written (its model,
     geometry, layout and KV conventions): what a prefix found by tokens is read
     as, and what its key namespace is computed from."""
     return Manifest(**geometry, pages=[Digest(d) for d in digests], layout=SUPPORTED_LAYOUTS[0], model=model,
-                    kv=dict(DEFAULT_KV)).to_json()
+                    kv=dict(kv or DEFAULT_KV)).to_json()
 
 
-def prefix_space(geometry: dict[str, Any], model: dict[str, Any]) -> str:
+def prefix_space(geometry: dict[str, Any], model: dict[str, Any], kv: dict[str, Any] | None = None) -> str:
     """The key namespace of this engine's sessions' pages (pffs.client.chainkeys)."""
-    return manifest_namespace(json.loads(prefix_manifest(geometry, model, [])))
+    return manifest_namespace(json.loads(prefix_manifest(geometry, model, [], kv)))
 
 
 def plan_prefix(index: Any, space: str, prompt: list[int], block_size: int,

@@ -33,6 +33,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pffs.manifest import plain_scales
+
 U32_MAX = 0xFFFF_FFFF
 I64_MAX = 0x7FFF_FFFF_FFFF_FFFF
 #: The tag byte of a page hashed wide (u64 tokens).
@@ -102,21 +104,36 @@ def model_identity(model: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 def key_namespace(model: Mapping[str, Any] | None, dtype: str, n_layers: int, n_heads: int,
                   head_dim: int, page_size_tokens: int, kv: Mapping[str, Any] | None,
-                  layout: str = "paged-batchinvariant-v1") -> str:
+                  layout: str = "paged-batchinvariant-v1", attention: str = "mha") -> str:
     """The namespace of keys of pages with these bytes' meaning: sha256 (hex) of the
-    canonical JSON of the model's identity, dtype, geometry, layout and ``kv`` conventions."""
-    ident = {"model": model_identity(model), "dtype": dtype, "n_layers": n_layers,
-             "n_heads": n_heads, "head_dim": head_dim, "page_size_tokens": page_size_tokens,
-             "layout": layout, "kv": dict(kv) if kv else None}
+    canonical JSON of the model's identity, dtype, geometry, layout, attention (MLA
+    pages in their own namespaces) and ``kv`` conventions."""
+    ident: dict[str, Any] = {"model": model_identity(model), "dtype": dtype, "n_layers": n_layers,
+                             "n_heads": n_heads, "head_dim": head_dim,
+                             "page_size_tokens": page_size_tokens, "layout": layout,
+                             "kv": _plain_kv(kv)}
+    if attention != "mha":      # (absent: K/V pages' namespaces stay as they were)
+        ident["attention"] = attention
     text = json.dumps(ident, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _plain_kv(kv: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """*kv* with its scales in one form (scales all 1.0 are null: the same pages' meaning)."""
+    if not kv:
+        return None
+    out = dict(kv)
+    if "scales" in out:
+        out["scales"] = plain_scales(out["scales"])
+    return out
 
 
 def manifest_namespace(manifest: Mapping[str, Any]) -> str:
     """:func:`key_namespace` of a manifest.json's fields (as parsed JSON)."""
     return key_namespace(manifest.get("model"), manifest["dtype"], manifest["n_layers"],
                          manifest["n_heads"], manifest["head_dim"], manifest["page_size_tokens"],
-                         manifest.get("kv"), manifest.get("layout", "paged-batchinvariant-v1"))
+                         manifest.get("kv"), manifest.get("layout", "paged-batchinvariant-v1"),
+                         manifest.get("attention", "mha"))
 
 
 def keys_value(space: str, keys: Sequence[str]) -> bytes:

@@ -143,7 +143,7 @@ def prefix_report(session: str, tokens: Sequence[int] | None = None, *, most: in
     except mf.ManifestError as e:
         raise PffsError(f"{session}: manifest.json is not valid ({e})") from None
     space = key_namespace(m.model, m.dtype, m.n_layers, m.n_heads, m.head_dim, m.page_size_tokens,
-                          m.kv, m.layout)
+                          m.kv, m.layout, m.attention)
     if tokens is None:
         seq = next((s for s in m.logical_seqs if s.token_ids), None)
         tokens = seq.token_ids if seq is not None and not m.extra.get(INPUTS_FIELD) else []

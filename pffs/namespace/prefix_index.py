@@ -46,7 +46,7 @@ def manifest_keys(m: mf.Manifest) -> IndexKeys | None:
     if not out:
         return None
     space = chainkeys.key_namespace(m.model, m.dtype, m.n_layers, m.n_heads, m.head_dim,
-                                    m.page_size_tokens, m.kv, m.layout)
+                                    m.page_size_tokens, m.kv, m.layout, m.attention)
     return space, sorted(out.items())
 
 
