@@ -64,7 +64,7 @@ from engine_bridge.transport.mountinfo import StoreAccess, mounted_store, store_
 from engine_bridge.transport.save_names import save_place
 from engine_bridge.transport.store_blobs import BlobSource
 from engine_bridge.vllm.kinds import kv_scales, page_dtype, refused_kind
-from engine_bridge.vllm.lanes import HeadSlicePool, Lane, join_slices, wait_lanes
+from engine_bridge.vllm.lanes import HeadSlicePool, JoinedPool, Lane, wait_lanes
 from engine_bridge.vllm.packing import check_latent_rows, engine_packing
 from engine_bridge.vllm.plans import (
     INPUTS,
@@ -223,7 +223,7 @@ class PffsConnector(KVConnectorBase_V1):
         self._lanes: tuple[Lane, Lane] | None = None
         self._save_bridge: Bridge | None = None
         self._load_bridge: Bridge | None = None
-        self._group: Any = None
+        self._joined: JoinedPool | None = None    # (tensor parallel: what a save pages out)
         self._rank = 0
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
@@ -397,13 +397,15 @@ class PffsConnector(KVConnectorBase_V1):
             from vllm.distributed import get_tp_group
             tp = get_tp_group()
             self._rank = tp.rank_in_group
-            # A group of the connector's own: its gathers run on the save
-            # lane, beside the engine's collectives on its groups.
-            self._group = dist.new_group(ranks=list(tp.ranks), backend="gloo")
+            # A group of the connector's own: its sends run on the save lane,
+            # beside the engine's collectives on its groups.
+            group = dist.new_group(ranks=list(tp.ranks), backend="gloo")
+            self._joined = JoinedPool(pool, group, self.tp, self._rank)
             load_pool = HeadSlicePool(pool, self.n_heads, self._rank * pool.n_heads)
         workers = os.cpu_count() or 1
-        self._save_bridge = Bridge(pool, None, engine_name=self.engine, model=self.model,
-                                   io_workers=min(4, workers))
+        # At tensor parallel, one save bridge over the joined pages for every save.
+        self._save_bridge = Bridge(self._joined or pool, None, engine_name=self.engine,
+                                   model=self.model, io_workers=min(4, workers))
         self._load_bridge = Bridge(load_pool, None, engine_name=self.engine, model=self.model,
                                    io_workers=min(4, workers))
         self._lanes = (Lane("save", self.nice[0]), Lane("load", self.nice[1]))
@@ -494,12 +496,9 @@ class PffsConnector(KVConnectorBase_V1):
             save_place(self.root, job.name)     # (again: a link put on the way since it was scheduled)
             if self.mla and self._rank:
                 return      # (every rank holds the whole latent: the first writes the session)
-            if self._group is not None:
-                joined = join_slices(bridge.pool, blocks, self._group, self.tp, self._rank)
-                if joined is None:
+            if self._joined is not None:
+                if not self._joined.join(blocks):
                     return      # (the group's first rank writes the session)
-                bridge = Bridge(joined, None, engine_name=self.engine, model=self.model,
-                                io_workers=bridge.io_workers)
                 blocks = [BlockId(i) for i in range(len(blocks))]
             seq = SeqBlocks(job.req_id, blocks, job.n_tokens, job.token_ids)
             m = bridge.page_out([seq], path, include_token_ids=self.store_tokens,

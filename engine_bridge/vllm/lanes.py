@@ -9,7 +9,7 @@ the lane's ``done`` list, which the connector hands to vLLM from
 Tensor parallel: each rank's pool holds a slice of the KV heads, and a session
 holds whole-head pages (SPEC §1: sessions do not depend on parallelism).
 :class:`HeadSlicePool` scatters a whole-head page's slice into a rank's pool
-on a load; :func:`join_slices` gathers every rank's slice of the pages of a
+on a load; :class:`JoinedPool` gathers every rank's slice of the pages of a
 save to the first rank of the group, which alone writes the session.
 """
 
@@ -24,9 +24,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
-from engine_bridge.core.pool import FLASHINFER, KVPool
+from engine_bridge.core.pool import KVPool
 
 log = logging.getLogger("vllm.pffs")
 
@@ -178,10 +179,10 @@ class HeadSlicePool(KVPool):
         self.inner, self.n_heads, self.first = inner, n_heads, first
 
     def gather(self, index, out: torch.Tensor) -> None:
-        # A whole-head page is not this rank's to give: join_slices makes it
+        # A whole-head page is not this rank's to give: JoinedPool makes it
         # from every rank's heads (what a save does).
         raise TypeError(f"this rank holds heads {self.first}..{self.first + self.inner.n_heads - 1} "
-                        f"of {self.n_heads}: a whole page is joined from every rank (join_slices)")
+                        f"of {self.n_heads}: a whole page is joined from every rank (JoinedPool)")
 
     def scatter(self, index, src: torch.Tensor) -> None:
         d = self.head_dim * self.itemsize
@@ -190,28 +191,87 @@ class HeadSlicePool(KVPool):
         self.inner.scatter(index, mine.view(src.shape[0], -1))
 
 
-def join_slices(pool: KVPool, blocks: Sequence[int], group: Any, n_ranks: int,
-                rank: int) -> KVPool | None:
-    """Every rank of *group* gives the page bytes of its *blocks* (its heads);
-    the first rank gets back a pool of ``len(blocks)`` blocks holding the
-    whole-head pages (block i: page i), the others None.
+class JoinedPool(KVPool):
+    """The whole-head pages of a tensor-parallel save, on the group's first rank.
 
-    One gather over *group*, a gloo group of the connector's own (a
-    collective never shares a group with the engine's threads)."""
-    import torch.distributed as dist
-    n = len(blocks)
-    mine = torch.empty((n, pool.page_bytes), dtype=torch.uint8, device=pool.device)
-    if n:
-        pool.gather(pool.as_index(list(blocks)), mine)
-    mine = mine.cpu()
-    parts = [torch.empty_like(mine) for _ in range(n_ranks)] if rank == 0 else None
-    dist.gather(mine, parts, dst=dist.get_global_rank(group, 0), group=group)
-    if parts is None:
-        return None
-    d = pool.head_dim * pool.itemsize
-    shape = (n, 2, pool.n_layers, pool.block_size, pool.n_heads, d)
-    whole = torch.cat([p.view(shape) for p in parts], dim=4)      # [n, 2, L, T, H, d]
-    typed = whole.view(pool.dtype)                                  # [n, 2, L, T, H, D]
-    joined = KVPool([typed[:, :, layer] for layer in range(pool.n_layers)], FLASHINFER, pool.kv)
-    joined.engine_info = pool.engine_info  # type: ignore[method-assign]  # (the engine's own layout)
-    return joined
+    ``join(blocks)``, called by every rank of *group* with the same blocks,
+    sends each rank's slice of their pages (its heads) to the first rank.
+    There block *i* of this pool is then page *i* of the save.  The buffers
+    are kept from save to save and grow when a save has more pages; one save
+    bridge pages out of this pool every time.
+
+    Copies of each byte of a save at tensor-parallel size k (a GPU pool adds
+    one device-to-host copy on each rank):
+
+    - before: the rank's pool gather; gloo's gather into a flat buffer of
+      its own; gloo's copy of it into the list of parts; ``torch.cat`` into
+      whole-head pages; the page-out's gather into staging.  Five.
+    - now: the rank's pool gather into its send buffer (the first rank's:
+      straight into its part of the receive buffer); gloo's receive into
+      that buffer; the page-out's gather, which puts each rank's heads in
+      place as it copies a page into staging.  Three (the first rank's own
+      heads: two).
+    """
+
+    def __init__(self, pool: KVPool, group: Any, n_ranks: int, rank: int):
+        self.slices, self.group, self.n_ranks, self.rank = pool, group, n_ranks, rank
+        self.layout = pool.layout       # (the engine's, which the manifest names)
+        self.layers = []
+        self.num_blocks, self.block_size, self.head_dim = 0, pool.block_size, pool.head_dim
+        self.n_heads = pool.n_heads * n_ranks
+        self.dtype, self.dtype_name, self.itemsize = pool.dtype, pool.dtype_name, pool.itemsize
+        self.device, self.n_layers, self.kv = torch.device("cpu"), pool.n_layers, dict(pool.kv)
+        # The first rank's: [k, capacity, slice bytes], rank r's slice of page i
+        # at [r, i].  Another rank's: [1, capacity, slice bytes], what it sends.
+        self._parts = torch.empty((n_ranks if rank == 0 else 1, 0, pool.page_bytes), dtype=torch.uint8)
+        self._parts_np = self._parts.numpy()
+
+    def engine_info(self, name: str) -> dict[str, Any]:
+        return self.slices.engine_info(name)
+
+    def join(self, blocks: Sequence[int]) -> bool:
+        """Every rank's heads of the pages in *blocks* to the first rank; True there.
+
+        Every rank calls it in the same order with the same blocks (one save
+        lane a rank).  The buffers are overwritten: the first rank calls it
+        again only once the page-out of the pages before has returned."""
+        import torch.distributed as dist
+        n = len(blocks)
+        if n > self._parts.shape[1]:
+            self._parts = torch.empty((self._parts.shape[0], n, self.slices.page_bytes), dtype=torch.uint8)
+            self._parts_np = self._parts.numpy()
+        self.num_blocks = n
+        if not n:
+            return self.rank == 0
+        # (Gloo receives a rank's contiguous slice straight into the buffer
+        # given; its gather collective receives into a flat buffer and copies.)
+        recvs = [dist.irecv(self._parts[r, :n], group=self.group, group_src=r)
+                 for r in range(1, self.n_ranks)] if self.rank == 0 else []
+        mine = self._parts[0, :n]
+        if self.slices.device.type == "cpu":
+            self.slices.gather(self.slices.as_index(list(blocks)), mine)
+        else:
+            dev = torch.empty(mine.shape, dtype=torch.uint8, device=self.slices.device)
+            self.slices.gather(self.slices.as_index(list(blocks)), dev)
+            mine.copy_(dev)
+        if self.rank:
+            dist.send(mine, group=self.group, group_dst=0)
+            return False
+        for work in recvs:
+            assert work is not None
+            work.wait()
+        return True
+
+    def gather(self, index: torch.Tensor | Sequence[int], out: torch.Tensor) -> None:
+        # Page b is [2, L, T, k, h*d]: rank r's slice [2, L, T, h*d] of it goes to head group r.
+        blocks = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+        k, L, T = self.n_ranks, self.n_layers, self.block_size
+        parts = self._parts_np.reshape(k, self._parts.shape[1], 2, L, T, -1)
+        o = out.numpy().reshape(out.shape[0], 2, L, T, k, -1)
+        for r, b in enumerate(blocks):
+            if not 0 <= b < self.num_blocks:
+                raise IndexError(f"page {b} is not among the {self.num_blocks} joined")
+            o[r] = np.moveaxis(parts[:, b], 0, 3)
+
+    def scatter(self, index: torch.Tensor | Sequence[int], src: torch.Tensor) -> None:
+        raise TypeError("joined pages are a save's: nothing is loaded into them")
