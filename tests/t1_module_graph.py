@@ -1,6 +1,7 @@
 """Level t1, units: no mount and no engine.
-The shape of the code: no import circle among the project's modules, pffs
-never imports the engine bridge, no module of pffs past 600 lines, a tree by
+The shape of the code: no import circle among the project's modules, imports
+pointing one way (namespace <- fs <- live <- daemon, none into pffs.client
+from below), pffs never imports the engine bridge, no module of pffs past 600 lines, a tree by
 role (no two modules of one file name, few modules at pffs's top, one folder
 per engine adapter), test files named by level, and no module importing
 another's private name.
@@ -110,6 +111,49 @@ def test_pffs_never_imports_the_engine_bridge():
     offenders = sorted(f"{m} imports {t}" for m, ts in graph.items() if m.split(".")[0] == "pffs"
                        for t in ts if t.split(".")[0] == "engine_bridge")
     assert offenders == []
+
+
+#: pffs's folders from the bottom up: a module of one imports no module of a
+#: folder above it.  The chain key (pffs.tokenkeys) sits at pffs's top, below
+#: them all; pffs.client re-exports it to engines (pffs.client.chainkeys).
+LAYERS = ("namespace", "fs", "live", "daemon")
+
+
+def _import_points_up(graph: dict[str, set[str]]) -> list[str]:
+    """Each import in *graph* that points up: namespace/ or fs/ importing
+    pffs.client, or one of LAYERS importing a folder above it (fs/ and live/
+    thereby import each other no more: live/ is above fs/)."""
+    def folder(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 2 and parts[0] == "pffs" else ""
+    found = []
+    for m, ts in graph.items():
+        low = folder(m)
+        for t in ts:
+            high = folder(t)
+            if low in ("namespace", "fs") and t.startswith("pffs.client"):
+                found.append(f"{m} imports {t}")
+            elif low in LAYERS and high in LAYERS and LAYERS.index(high) > LAYERS.index(low):
+                found.append(f"{m} imports {t}")
+    return sorted(found)
+
+
+def test_imports_point_one_way():
+    """namespace/ and fs/ import nothing of pffs.client (the chain key is
+    below them), and fs/ imports nothing of live/ (daemon/ builds the
+    handlers of both): imports go namespace <- fs <- live <- daemon."""
+    assert _import_points_up(_graph()) == []
+
+
+def test_the_one_way_check_sees_imports_pointing_up():
+    """(The check itself: namespace/ importing pffs.client, fs/ importing
+    live/ are found; live/ importing fs/ and daemon/ importing both are not.)"""
+    graph = {"pffs.namespace.a": {"pffs.client.chainkeys", "pffs.manifest"},
+             "pffs.fs.b": {"pffs.live.view", "pffs.namespace.a"},
+             "pffs.live.view": {"pffs.fs.b"},
+             "pffs.daemon.c": {"pffs.fs.b", "pffs.live.view", "pffs.client.x"}}
+    assert _import_points_up(graph) == ["pffs.fs.b imports pffs.live.view",
+                                        "pffs.namespace.a imports pffs.client.chainkeys"]
 
 
 def test_no_module_of_pffs_past_600_lines():

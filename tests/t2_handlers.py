@@ -12,9 +12,9 @@ import pytest
 import trio
 
 from pffs import namespace as ns
+from pffs.daemon.handlers import build
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
-from pffs.fs.operations import build
 from pffs.store.storedir import StoreDir
 
 

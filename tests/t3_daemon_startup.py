@@ -16,9 +16,9 @@ import pytest
 import trio
 
 import pffs.bucket.lease
+import pffs.daemon.handlers
 import pffs.fs.content
 import pffs.fs.db
-import pffs.fs.operations
 import pffs.live.server
 from mountutil import is_mounted
 from pffs.bucket.transfer import decode_registration
@@ -37,7 +37,7 @@ STEPS = [
     ("database", pffs.fs.db, "Database"),
     ("registration", pffs.bucket.lease, "attach"),      # (S3 stores only)
     ("content", pffs.fs.content, "ContentStore"),
-    ("handlers", pffs.fs.operations, "build"),
+    ("handlers", pffs.daemon.handlers, "build"),
     ("socket", pffs.live.server.LiveEngines, "listen"),
     ("fuse", mount.pyfuse3, "init"),
     ("built", mount.Daemon, "__init__"),                # after the mount is made

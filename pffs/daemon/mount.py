@@ -43,9 +43,9 @@ if sys.version_info < (3, 11):  # a builtin from 3.11; trio brings the backport 
 
 if TYPE_CHECKING:
     from pffs.bucket.lease import RemoteMount
+    from pffs.daemon.handlers import Handlers
     from pffs.daemon.readonly import PrivateNamespace
     from pffs.fs.db import Database
-    from pffs.fs.operations import Handlers
     from pffs.live.server import LiveEngines
     from pffs.store.reserve import SpaceReserve
 
@@ -278,10 +278,11 @@ class Daemon:
               private: PrivateNamespace | None, trim_heaps: Callable[[], None] | None) -> Daemon:
         """Daemon.open's work once the store is locked; its namespace in *db_root*.
         What it opens, it closes through *undo* if a later step fails."""
+        from pffs.daemon.handlers import build
         from pffs.fs import adoption as direct
         from pffs.fs.content import ContentStore, StoredBytes
         from pffs.fs.db import Database
-        from pffs.fs.operations import SPIN, build, spin_us
+        from pffs.fs.operations import SPIN, spin_us
         from pffs.live.server import LiveEngines
 
         ro = opts.read_only

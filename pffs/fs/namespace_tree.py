@@ -39,7 +39,6 @@ from pyfuse3 import (
 )
 
 from pffs import namespace as ns
-from pffs.client.chainkeys import parse_keys_value, parse_pairs_value
 from pffs.fs.blobcache import BlobReader
 from pffs.fs.content import ContentStore
 from pffs.fs.db import Database
@@ -57,6 +56,7 @@ from pffs.names import PREFIX_TOUCH_XATTR_B as PREFIX_TOUCH_XATTR
 from pffs.names import PREFIX_XATTR_B as PREFIX_XATTR
 from pffs.names import STORE_XATTR_B as STORE_XATTR
 from pffs.namespace import prefix_index
+from pffs.tokenkeys import parse_keys_value, parse_pairs_value
 from pffs.types import Digest
 
 log = logging.getLogger("pffs.fs")

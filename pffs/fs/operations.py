@@ -2,8 +2,8 @@
 pffs.fs.routing, to the tree that owns its inode or handle, with the tree's
 errors mapped to errnos in one place (``handler``).
 
-``build`` is the composition root of the handlers: it makes every part and
-hands each its collaborators.
+The daemon builds the trees and hands them to Operations
+(pffs.daemon.handlers.build).
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pyfuse3
-import trio
 from pyfuse3 import (
     EntryAttributes,
     FileHandleT,
@@ -37,15 +35,8 @@ from pyfuse3 import (
 
 from pffs import namespace as ns
 from pffs.errors import StoreFull, StoreUnavailable
-from pffs.fs.blobcache import BlobCache, BlobReader
-from pffs.fs.content import ContentStore
 from pffs.fs.copies import copy_pieces
-from pffs.fs.db import Database
-from pffs.fs.files import NOFLUSH, Files
-from pffs.fs.inodes import InodeTable, Invalidator
-from pffs.fs.manifests import Manifests
 from pffs.fs.namespace_tree import NamespaceTree
-from pffs.fs.prefetch import Prefetch
 from pffs.fs.routing import (
     DIR_HANDLES,
     ENGINES,
@@ -59,11 +50,6 @@ from pffs.fs.routing import (
     Tree,
     tree_of,
 )
-from pffs.fs.virtual import PffsTree
-from pffs.live.engines import Registry
-from pffs.live.handles import LiveStore
-from pffs.live.numbering import KernelCache
-from pffs.live.view import EnginesTree
 from pffs.namespace import FsError
 
 log = logging.getLogger("pffs.fs")
@@ -382,88 +368,3 @@ class Operations(pyfuse3.Operations):
     async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
         self._changes()
         await self._by_inode(inode).removexattr(inode, name, ctx)
-
-
-@dataclass
-class Handlers:
-    """The parts ``build`` made, for the daemon (and handler-level tests)."""
-
-    ops: Operations
-    inodes: InodeTable
-    files: Files
-    prefetch: Prefetch
-    reader: BlobReader
-    invalidate: Invalidator
-    manifests: Manifests
-    pffs: PffsTree
-    engines: EnginesTree | None      # (with live_mount: its registry is the engine socket's)
-
-    @property
-    def db(self) -> Database:
-        return self.files.db
-
-    @property
-    def content(self) -> ContentStore:
-        return self.files.content
-
-    @property
-    def cache(self) -> BlobCache:
-        return self.reader.cache
-
-    def stop(self) -> None:
-        self.prefetch.stop()
-
-
-def build(db: Database, content: ContentStore, *, nursery: trio.Nursery | None, cache_size: int = 128 << 20,
-          staging_memory: int = 128 << 20, journal_fsync: bool = True, live_mount: str | None = None,
-          socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n",
-          read_only: bool = False, prefix_cache_size: int = 4 << 30) -> Handlers:
-    """The handlers of a mount of *db* and *content*, their work in the
-    background going to *nursery* (the daemon's, opened before anything is
-    built; None: none runs, as in handler tests without a daemon); with
-    *live_mount* (where the mount is, for engines told of paths in it) they
-    serve ``engines/`` too, which needs the nursery.  *read_only*: every
-    change refused with EROFS.  *prefix_cache_size*: bytes the key-only prefix
-    cache keeps (SPEC §7)."""
-    if not (COPY_RANGE and NOFLUSH):
-        log.info("pyfuse3 %s without third_party/pyfuse3's patch: copies within the mount move "
-                 "their bytes (no copy_file_range), and a reader's close costs a FLUSH request",
-                 getattr(pyfuse3, "__version__", "?"))
-    elif not (SPIN and FALLOCATE):
-        off = [what for on, what in ((SPIN, "a request sent just after a reply is waited for in trio's"
-                                            " scheduler"),
-                                     (FALLOCATE, "fallocate answers EOPNOTSUPP")) if not on]
-        log.info("pyfuse3 %s built with an older third_party/pyfuse3 patch (PFFS_PATCH %s): %s",
-                 getattr(pyfuse3, "__version__", "?"), getattr(pyfuse3, "PFFS_PATCH", "?"), "; ".join(off))
-    inodes = InodeTable(db)
-    reader = BlobReader(content, BlobCache(cache_size), inodes.path_of)
-    prefetch = Prefetch(db, reader)
-    invalidate = Invalidator(inodes)
-    files = Files(db, content, inodes, reader, prefetch, invalidate, nursery,
-                  staging_memory=staging_memory, journal_fsync=journal_fsync)
-    manifests = Manifests(db, content, inodes, files, reader, invalidate)
-    # The attached engines, told of what the kernel may keep of engines/.
-    registry = None if live_mount is None else Registry(KernelCache(invalidate), mountpoint=live_mount)
-    requests: dict[str, int] = {}
-    pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json, files.copies,
-                    registry.counts if registry is not None else None, content.named)
-    trees: dict[str, Tree] = {
-        NAMESPACE: NamespaceTree(db, content, inodes, files, manifests, prefetch, invalidate,
-                                 store_json, prefix_cache_size),
-        PFFS: pffs,
-    }
-    engines = None
-    if registry is not None:
-        assert nursery is not None, "engines/ runs work in the daemon's nursery"
-        store = LiveStore(
-            # A page named by its blob in a session being copied in: its bytes, when
-            # something reads or changes them before the engine takes the session.
-            fetch_blob=lambda digest: reader.blob(digest, ns.ROOT_INODE),
-            # A live page copied out of engines/ is stored as a blob (ahead of the copy) ...
-            store_blob=lambda data, digest=None: content.workers.call(content.store_bytes, data, digest),
-            # ... or stored by the engine itself, straight into the store, and adopted.
-            adopt_blobs=((lambda digests: content.workers.call(content.adopt_stored, digests))
-                         if content.can_adopt_stored else None))
-        engines = trees[ENGINES] = EnginesTree(registry, store, manifests, nursery)
-    return Handlers(Operations(trees, requests, files.copies, read_only), inodes, files, prefetch, reader,
-                    invalidate, manifests, pffs, engines)

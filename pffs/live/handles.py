@@ -58,7 +58,7 @@ class DirHandle:
 
 @dataclass(frozen=True)
 class LiveStore:
-    """What ``engines/`` asks of the mount's store (pffs.fs.operations.build makes it)."""
+    """What ``engines/`` asks of the mount's store (pffs.daemon.handlers.build makes it)."""
 
     #: the bytes of a blob: a page named by its blob in a session being copied
     #: in, when something reads or changes them before the engine takes it

@@ -11,7 +11,8 @@ Two sources answer a key, both rows of the namespace (see SCHEMA):
 - pages stored by key alone (``cached_keys``): an engine's cache, a gc root
   per row, kept within a size limit, least recently used first out.
 
-Keys are computed by :mod:`pffs.client.chainkeys`, the module engines use.
+Keys are computed by :mod:`pffs.tokenkeys`, below the namespace; engines use
+the same functions as :mod:`pffs.client.chainkeys`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 
 from pffs import manifest as mf
-from pffs.client import chainkeys
+from pffs import tokenkeys
 from pffs.types import Digest
 
 #: A manifest's keys: (its key namespace, [(page index, key)]).
@@ -36,16 +37,16 @@ def manifest_keys(m: mf.Manifest) -> IndexKeys | None:
     salt, multimodal inputs) is not keyed: its pages depend on more than
     the tokens, and no seed is derived from it.
     """
-    if m.extra.get(chainkeys.INPUTS_FIELD):
+    if m.extra.get(tokenkeys.INPUTS_FIELD):
         return None
     out: dict[int, str] = {}
     for seq in m.logical_seqs:
         if seq.token_ids:
-            for ix, key in chainkeys.seq_page_keys(seq.page_ixs, seq.token_ids, m.page_size_tokens):
+            for ix, key in tokenkeys.seq_page_keys(seq.page_ixs, seq.token_ids, m.page_size_tokens):
                 out.setdefault(ix, key)
     if not out:
         return None
-    space = chainkeys.key_namespace(m.model, m.dtype, m.n_layers, m.n_heads, m.head_dim,
+    space = tokenkeys.key_namespace(m.model, m.dtype, m.n_layers, m.n_heads, m.head_dim,
                                     m.page_size_tokens, m.kv, m.layout, m.attention)
     return space, sorted(out.items())
 
