@@ -35,19 +35,25 @@ _BASE = 200
 _FP8_BASE = 64
 
 
-def engine_packing(vllm_config: Any, layer_names: Sequence[str], kernel_block: int,
-                   head_dim: int, dtype: torch.dtype) -> BlockPacking:
-    """The packing of the attention layers *layer_names* of a running vLLM engine
-    (ValueError naming the backend when pffs does not know its packing)."""
+def _backend_of(vllm_config: Any, layer_names: Sequence[str], what: str) -> tuple[list[Any], str]:
+    """The attention layers *layer_names* of a running vLLM engine and the one backend
+    they use (ValueError when vLLM registered none, or they use several)."""
     ctx = vllm_config.compilation_config.static_forward_context
     layers = [ctx[n] for n in layer_names if n in ctx]
     if not layers:
         raise ValueError("PffsConnector: vLLM registered no attention layer "
-                         f"{layer_names[0]!r}: its KV packing is unknown")
+                         f"{layer_names[0]!r}: its {what} is unknown")
     names = {layer.attn_backend.get_name() for layer in layers}
     if len(names) != 1:
         raise ValueError(f"PffsConnector: layers use several attention backends ({', '.join(sorted(names))})")
-    backend = names.pop()
+    return layers, names.pop()
+
+
+def engine_packing(vllm_config: Any, layer_names: Sequence[str], kernel_block: int,
+                   head_dim: int, dtype: torch.dtype) -> BlockPacking:
+    """The packing of the attention layers *layer_names* of a running vLLM engine
+    (ValueError naming the backend when pffs does not know its packing)."""
+    layers, backend = _backend_of(vllm_config, layer_names, "KV packing")
     if backend in TOKEN_ROW_BACKENDS:
         return token_packing(kernel_block, head_dim)
     if backend != "CPU_ATTN":
@@ -112,15 +118,7 @@ def check_latent_rows(vllm_config: Any, layer_names: Sequence[str], view: torch.
     its own cache writer (the layer's ``do_kv_cache_update``) wrote one probe block of
     *view*'s shape as token rows (each token's compressed values, then its rotary part,
     in one row: SPEC §1.1's order); ValueError naming the backend when it did not."""
-    ctx = vllm_config.compilation_config.static_forward_context
-    layers = [ctx[n] for n in layer_names if n in ctx]
-    if not layers:
-        raise ValueError("PffsConnector: vLLM registered no attention layer "
-                         f"{layer_names[0]!r}: its latent cache's packing is unknown")
-    names = {layer.attn_backend.get_name() for layer in layers}
-    if len(names) != 1:
-        raise ValueError(f"PffsConnector: layers use several attention backends ({', '.join(sorted(names))})")
-    backend = names.pop()
+    layers, backend = _backend_of(vllm_config, layer_names, "latent cache's packing")
     n, d = view.shape[-2], view.shape[-1]
     cache = torch.zeros((1, *view.shape[1:]), dtype=view.dtype, device=view.device)
     index = torch.arange(n * d, device=view.device).view(n, d)
