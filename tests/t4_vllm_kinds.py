@@ -37,13 +37,23 @@ def test_a_plain_model_is_served(tmp_path):
     assert c.geometry["n_heads"] == H
 
 
+@pytest.mark.parametrize("case, windowed", [("every layer", [0, 1]), ("some layers", [1])])
+def test_sliding_windows_are_served_with_their_layers_named(tmp_path, case, windowed):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    win = SlidingWindowSpec(sliding_window=512, block_size=BLOCK, num_kv_heads=H, head_size=D,
+                            dtype=torch.bfloat16)
+    groups = [(LAYERS, win)] if case == "every layer" else [(LAYERS[:1], full()), (LAYERS[1:], win)]
+    c = connector_with(tmp_path, groups)
+    assert c.kv["window"] == {"tokens": 512, "layers": windowed}
+    assert c.layer_names == LAYERS and c.geometry["n_layers"] == len(LAYERS)
+
+
 @pytest.mark.parametrize("case, why", [
     ("quantized", "a KV cache quantized as fp8_inc is not supported"),
     ("fp8 elsewhere", "an fp8 KV cache of a fp8-quantized checkpoint whose attention layers"),
     ("mla-v4", "a compressed or sparse latent cache (deepseek_v4 MLA)"),
-    ("sliding", "a sliding window on every layer (4096 tokens)"),
-    ("mixed", "a sliding window on some layers (512 tokens)"),
-    ("chunked", "chunked local attention on every layer (8192 tokens)"),
+    ("two windows", "sliding windows of different sizes (512, 4096 tokens)"),
+    ("chunked", "chunked local attention (8192 tokens) is not supported"),
     ("mamba", "hybrid models with linear-attention or state-space layers (MambaSpec)"),
 ])
 def test_models_pages_cannot_hold_are_refused_by_kind(tmp_path, case, why):
@@ -55,8 +65,8 @@ def test_models_pages_cannot_hold_are_refused_by_kind(tmp_path, case, why):
                                              dtype=torch.bfloat16, model_version="deepseek_v4"))],
         "quantized": [(LAYERS, full(dtype=torch.uint8))],
         "fp8 elsewhere": [(LAYERS, full(dtype=torch.uint8))],
-        "sliding": [(LAYERS, SlidingWindowSpec(sliding_window=4096, **win))],
-        "mixed": [(LAYERS[:1], full()), (LAYERS[1:], SlidingWindowSpec(sliding_window=512, **win))],
+        "two windows": [(LAYERS[:1], SlidingWindowSpec(sliding_window=4096, **win)),
+                        (LAYERS[1:], SlidingWindowSpec(sliding_window=512, **win))],
         "chunked": [(LAYERS, ChunkedLocalAttentionSpec(attention_chunk_size=8192, **win))],
         "mamba": [(LAYERS[:1], full()),
                   (LAYERS[1:], MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.bfloat16,)))],

@@ -72,6 +72,30 @@ def deepseek_dir(path: str, seed: int = 0) -> str:
     return path
 
 
+#: The layer kinds of ``--kind window-mixed`` and ``--kind window-all`` (Ministral:
+#: Llama's layers, a sliding window of :data:`WINDOW` tokens on those named so).
+WINDOW = 48
+WINDOW_LAYERS = {"window-mixed": ["full_attention", "sliding_attention"] * 2,
+                 "window-all": ["sliding_attention"] * 4}
+
+
+def ministral_dir(path: str, kind: str, seed: int = 0) -> str:
+    """A tiny random Ministral: a sliding window on some layers (Gemma's pattern) or on
+    every one (Mistral's).  vLLM runs it as its MistralForCausalLM, which reads the
+    config's ``layer_types``; transformers as MinistralForCausalLM."""
+    from transformers import MinistralConfig, MinistralForCausalLM
+    import torch
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        cfg = MinistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              vocab_size=1000, max_position_embeddings=2048, eos_token_id=999,
+                              bos_token_id=998, torch_dtype="bfloat16", initializer_range=0.2,
+                              sliding_window=WINDOW, layer_types=WINDOW_LAYERS[kind])
+        MinistralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def pool_digests(worker) -> list[str]:
     """(Runs in a worker.) sha256 of each block of the connector's pool."""
     import hashlib
@@ -92,7 +116,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--root", required=True)
     ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--kind", default="llama", choices=("llama", "deepseek"), help="the model made")
+    ap.add_argument("--kind", default="llama", choices=("llama", "deepseek", *WINDOW_LAYERS), help="the model made")
     ap.add_argument("--seed", type=int, default=0, help="the weights' seed, when the model folder is made")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--blocks", type=int, default=0, help="num_gpu_blocks_override (0: vLLM's)")
@@ -108,7 +132,11 @@ def main() -> None:
     if a.tp > 1:
         kw["distributed_executor_backend"] = "mp"
     deepseek = a.kind == "deepseek"
-    path = deepseek_dir(a.model, a.seed) if deepseek else model_dir(a.model, a.kv_heads, a.seed)
+    if a.kind in WINDOW_LAYERS:
+        path = ministral_dir(a.model, a.kind, a.seed)
+        kw["hf_overrides"] = {"architectures": ["MistralForCausalLM"]}
+    else:
+        path = deepseek_dir(a.model, a.seed) if deepseek else model_dir(a.model, a.kv_heads, a.seed)
     # (vLLM's CPU MLA kernel takes blocks of 16 tokens only)
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16",
               seed=0, block_size=16 if deepseek else 32, max_model_len=a.max_model_len, enforce_eager=True,

@@ -33,7 +33,10 @@ whole-head pages; a load at any size whose head split divides the heads
 scatters each rank's slice.  Multi-head latent attention (DeepSeek-V2/V3,
 Kimi K2) is saved as SPEC §1.1 pages (one latent vector a token and layer):
 every rank holds the whole latent, so the first rank alone writes and every
-rank loads whole pages.  Pipeline parallel is refused at start.
+rank loads whole pages.  Sliding-window models run with vLLM's hybrid KV
+cache manager on (``SupportsHMA``): each page takes every cache group's
+block, the windowed layers only where the window reaches
+(engine_bridge.vllm.windows).  Pipeline parallel is refused at start.
 ``docs/engines.md`` §10 says more.
 """
 
@@ -53,8 +56,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 from engine_bridge.core.bridge import Bridge, SeqBlocks
 from engine_bridge.core.identity import checkpoint_weights_sha256, hf_config_sha256
@@ -79,6 +83,7 @@ from engine_bridge.vllm.plans import (
     prefix_space,
     session_path,
 )
+from engine_bridge.vllm.windows import NULL_BLOCK, WindowedPool, kept, model_order
 from pffs.client.prefix_lookup import PrefixIndex
 from pffs.client.wait import failure_record, forget_failure, record_failure
 from pffs.manifest import parse
@@ -108,6 +113,7 @@ class SaveJob:
     n_tokens: int
     token_ids: list[int] | None
     inputs: dict[str, Any] = field(default_factory=dict)
+    groups: list[list[int]] | None = None   # (cache groups: each group's blocks, page by page)
 
 
 @dataclass
@@ -118,6 +124,7 @@ class LoadJob:
     block_ids: list[int]
     digests: list[str] | None = None    # a prefix found by tokens: page i is blob digests[i]
     trust: bool = False                 # a session without a weights fingerprint, trusted
+    groups: list[list[int]] | None = None   # (cache groups: each group's blocks, page by page)
 
 
 @dataclass
@@ -129,7 +136,7 @@ class PffsConnectorMetadata(KVConnectorMetadata):
     idle: bool = False          # no token is computed this step
 
 
-class PffsConnector(KVConnectorBase_V1):
+class PffsConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector over a folder of a pffs mount (``extra_config["root"]``).
 
     ``kv_connector_extra_config``: ``root`` (required), ``engine`` (the
@@ -157,7 +164,7 @@ class PffsConnector(KVConnectorBase_V1):
             raise ValueError(f"PffsConnector: {refused}")
         groups = kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec
-        assert isinstance(spec, FullAttentionSpec)      # (refused_kind refuses any other)
+        assert isinstance(spec, AttentionSpec)      # (refused_kind refuses any other)
         par, mc = vllm_config.parallel_config, vllm_config.model_config
         if par.pipeline_parallel_size > 1:
             raise ValueError("PffsConnector: pipeline parallel (size "
@@ -171,7 +178,15 @@ class PffsConnector(KVConnectorBase_V1):
         if not self.mla and (self.n_heads % self.tp or spec.num_kv_heads * self.tp != self.n_heads):
             raise ValueError(f"PffsConnector: {self.n_heads} KV heads do not split evenly over "
                              f"tensor-parallel size {self.tp}")
-        self.layer_names = list(groups[0].layer_names)
+        # vLLM's hybrid KV cache manager keeps sliding-window layers (and
+        # full-attention layers past a group's size) in cache groups, each
+        # with its blocks: a page takes every layer, in the model's order.
+        self.layer_names = (list(groups[0].layer_names) if len(groups) == 1
+                            else model_order([n for g in groups for n in g.layer_names]))
+        self.group_layers = [[self.layer_names.index(n) for n in g.layer_names] for g in groups]
+        self.windowed = [isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups]
+        self.window = next((int(g.kv_cache_spec.sliding_window) for g in groups
+                            if isinstance(g.kv_cache_spec, SlidingWindowSpec)), None)
         self.block_size = spec.block_size
         # Whole-head geometry: what a session holds at any parallelism.
         self.geometry = {"page_size_tokens": spec.block_size, "n_layers": len(self.layer_names),
@@ -183,6 +198,9 @@ class PffsConnector(KVConnectorBase_V1):
             raise ValueError(f"PffsConnector: {e}") from None
         if self.mla:
             self.geometry["attention"] = "mla"
+        if self.window:
+            self.kv["window"] = {"tokens": self.window, "layers": sorted(
+                i for layers, w in zip(self.group_layers, self.windowed) if w for i in layers)}
         # vLLM turns its prefix cache off for MLA where its kernels cannot go on
         # from a cached prefix (its CPU reference backend, CPU_MLA): a load there
         # would give other tokens than computing, so only saves are served.
@@ -265,7 +283,7 @@ class PffsConnector(KVConnectorBase_V1):
             prompt = list(request.prompt_token_ids or ())
             if by_prefix:
                 plan = plan_prefix(self._prefix_index(), self.space, prompt, self.block_size,
-                                   inputs_of(request))
+                                   inputs_of(request), window=self.window)
             else:
                 plan = plan_load(self.root, name, params, prompt, self.block_size, self.geometry,
                                  self.model, inputs_of(request), kv=self.kv)
@@ -293,8 +311,11 @@ class PffsConnector(KVConnectorBase_V1):
         if n <= 0:
             return
         first = len(plan.pages) - n
-        ids = list(blocks.get_block_ids()[0][first:first + n])
-        job = LoadJob(request.request_id, plan.name, plan.pages[first:], ids, plan.digests, plan.trust)
+        table = [list(g[first:first + n]) for g in blocks.get_block_ids()]
+        ids = table[0] if len(table) == 1 else \
+            [b for g, w in zip(table, self.windowed) for b in g if not (w and b == NULL_BLOCK)]
+        job = LoadJob(request.request_id, plan.name, plan.pages[first:], ids, plan.digests, plan.trust,
+                      groups=table if len(table) > 1 or self.window else None)
         self._to_load.append(job)
         self._loading[request.request_id] = job
 
@@ -320,6 +341,10 @@ class PffsConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         plan = self._plans.pop(rid, None)
         out: dict[str, Any] = {}
@@ -340,7 +365,7 @@ class PffsConnector(KVConnectorBase_V1):
             if gone:
                 raise ValueError(gone)
             path = save_place(self.root, name)
-            if n <= 0 or not block_ids:
+            if n <= 0 or not block_ids or not block_ids[0]:
                 raise ValueError("the request has no computed tokens")
             if path in (session_path(self.root, s) for s in self._saving.values()) \
                     or os.path.lexists(path):
@@ -356,9 +381,10 @@ class PffsConnector(KVConnectorBase_V1):
             out["pffs_error"] = out["pffs_error"] + "; " + msg if "pffs_error" in out else msg
             log.warning("request %s: %s", rid, msg)
             return False, out
-        blocks = list(block_ids[:-(-n // self.block_size)])
+        table = [list(g[:-(-n // self.block_size)]) for g in block_ids]
         tokens = [int(t) for t in request.all_token_ids[:n]] if self.store_tokens else None
-        job = SaveJob(rid, name, blocks, n, tokens, inputs_of(request))
+        job = SaveJob(rid, name, table[0], n, tokens, inputs_of(request),
+                      groups=table if len(table) > 1 or self.window else None)
         self._saving[rid] = name
         worker = _LOCAL_WORKERS.get(self._engine_key())
         if worker is not None:
@@ -388,8 +414,20 @@ class PffsConnector(KVConnectorBase_V1):
         fp8 = page_dtype(self._vllm_config.cache_config.cache_dtype, views[0].dtype)
         views = [v.view(fp8) for v in views]
         self.kv["scales"] = kv_scales(self._vllm_config, self.layer_names)
-        pool = self._pool = VllmKVPool(views, order, self._kv_cache_config.num_blocks, kv=self.kv,
-                                       packing=packing)
+        nblocks = self._kv_cache_config.num_blocks
+        pool: KVPool
+        save_pool: KVPool
+        if len(self.group_layers) == 1 and not self.window:
+            pool = VllmKVPool(views, order, nblocks, kv=self.kv, packing=packing)
+            save_pool = pool
+        else:       # (cache groups, each with its blocks: a pool per lane, each with its page table)
+            parts = [(VllmKVPool([views[i] for i in layers], order, nblocks, kv=self.kv, packing=packing),
+                      layers) for layers in self.group_layers]
+            pool, save_pool = WindowedPool(parts, self.kv), WindowedPool(parts, self.kv)
+            log.info("pffs: %d cache groups (%s)%s", len(parts), ", ".join(
+                f"{'window' if w else 'full'} {layers}" for (_, layers), w in zip(parts, self.windowed)),
+                f"; window of {self.window} tokens" if self.window else "")
+        self._pool = pool
         log.info("pffs: KV pages converted from vLLM's %s packing (%s)", packing.name, order)
         load_pool: KVPool = pool
         if self.tp > 1:
@@ -400,11 +438,11 @@ class PffsConnector(KVConnectorBase_V1):
             # A group of the connector's own: its sends run on the save lane,
             # beside the engine's collectives on its groups.
             group = dist.new_group(ranks=list(tp.ranks), backend="gloo")
-            self._joined = JoinedPool(pool, group, self.tp, self._rank)
+            self._joined = JoinedPool(save_pool, group, self.tp, self._rank)
             load_pool = HeadSlicePool(pool, self.n_heads, self._rank * pool.n_heads)
         workers = os.cpu_count() or 1
         # At tensor parallel, one save bridge over the joined pages for every save.
-        self._save_bridge = Bridge(self._joined or pool, None, engine_name=self.engine,
+        self._save_bridge = Bridge(self._joined or save_pool, None, engine_name=self.engine,
                                    model=self.model, io_workers=min(4, workers))
         self._load_bridge = Bridge(load_pool, None, engine_name=self.engine, model=self.model,
                                    io_workers=min(4, workers))
@@ -473,7 +511,12 @@ class PffsConnector(KVConnectorBase_V1):
                 manifest = prefix_manifest(self.geometry, self.model, job.digests, self.kv)
                 nbytes = parse(manifest).page_bytes
                 src = BlobSource(manifest, [nbytes] * len(job.digests), self._store())
-            bridge.load_into(src, job.page_ixs, job.block_ids, trust_unfingerprinted=job.trust)
+            blocks = job.block_ids
+            if job.groups is not None:      # (cache groups: page i into each group's block, if any)
+                self._windowed_pool(bridge.pool).set_pages(
+                    [[None if w and b == NULL_BLOCK else b for b in g] for g, w in zip(job.groups, self.windowed)])
+                blocks = list(range(len(job.page_ixs)))
+            bridge.load_into(src, job.page_ixs, blocks, trust_unfingerprinted=job.trust)
             log.info("request %s: loaded %d pages (%d bytes) of %r in %.3f s", job.req_id,
                      len(job.page_ixs), len(job.page_ixs) * bridge.pool.page_bytes, job.name,
                      time.perf_counter() - t0)
@@ -496,6 +539,10 @@ class PffsConnector(KVConnectorBase_V1):
             save_place(self.root, job.name)     # (again: a link put on the way since it was scheduled)
             if self.mla and self._rank:
                 return      # (every rank holds the whole latent: the first writes the session)
+            if job.groups is not None:
+                self._windowed_pool(self._joined.slices if self._joined else bridge.pool).set_pages(
+                    self._save_table(job))
+                blocks = [BlockId(i) for i in range(len(blocks))]
             if self._joined is not None:
                 if not self._joined.join(blocks):
                     return      # (the group's first rank writes the session)
@@ -511,6 +558,29 @@ class PffsConnector(KVConnectorBase_V1):
             line = f"{SAVE} {job.name!r}: {why}"
             log.error("request %s: %s", job.req_id, line)
             self._record_failure(job.name, path, line)
+
+    @staticmethod
+    def _windowed_pool(pool: KVPool) -> WindowedPool:
+        inner = getattr(pool, "inner", pool)      # (a HeadSlicePool's)
+        assert isinstance(inner, WindowedPool)
+        return inner
+
+    def _save_table(self, job: SaveJob) -> list[list[int | None]]:
+        """Each cache group's block of each page of a save: a windowed group's
+        only where the page keeps its window layers (engine_bridge.vllm.windows)."""
+        assert job.groups is not None
+        table: list[list[int | None]] = []
+        for g, w in zip(job.groups, self.windowed):
+            row: list[int | None] = []
+            for j, b in enumerate(g):
+                if w and self.window and not kept(j, job.n_tokens, self.window, self.block_size):
+                    row.append(None)
+                elif w and b == NULL_BLOCK:
+                    raise ValueError(f"vLLM freed page {j}'s windowed blocks before the save")
+                else:
+                    row.append(b)
+            table.append(row)
+        return table
 
     def _record_failure(self, name: str, path: Path, line: str) -> None:
         """``NAME.save-failed`` beside where the session was to be: *line*; where

@@ -1,8 +1,10 @@
 """Which vLLM models the connector serves, and a refusal naming the kind of those it does not.
 
 A session page is SPEC §1's: K and V of every head of every layer, for
-every token of the page; or, for multi-head latent attention (DeepSeek-V2/V3,
-Kimi K2: ``MLAAttentionSpec``), §1.1's: one latent vector a token and layer.
+every token of the page (a sliding window's layers only for the pages the
+window reaches: engine_bridge.vllm.windows); or, for multi-head latent
+attention (DeepSeek-V2/V3, Kimi K2: ``MLAAttentionSpec``), §1.1's: one
+latent vector a token and layer.
 Models whose cache is something else are refused
 at start with one line that names what they are, not a symptom (a head
 size of 0, a dtype of uint8, a count of cache groups).
@@ -72,17 +74,29 @@ def refused_kind(vllm_config: Any, kv_cache_config: Any) -> str | None:
     if cache_dtype not in ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES):
         return (f"a KV cache quantized as {cache_dtype} is not supported (fp8 caches are: "
                 f"{', '.join(FP8_CACHE_DTYPES)})")
-    windowed = [s for s in specs if isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec))]
-    if windowed:
-        w = windowed[0]
-        size = getattr(w, "sliding_window", None) or getattr(w, "attention_chunk_size", None)
-        what = "a sliding window" if isinstance(w, SlidingWindowSpec) else "chunked local attention"
-        where = "every layer" if len(windowed) == len(specs) else "some layers"
-        return (f"{what} on {where} ({size} tokens) is not supported: such layers keep only "
-                "their window's KV")
-    if len(specs) != 1 or not isinstance(specs[0], FullAttentionSpec):
+    chunked = [s for s in specs if isinstance(s, ChunkedLocalAttentionSpec)
+               or (isinstance(s, SlidingWindowSpec) and isinstance(s, MLAAttentionSpec))]
+    if chunked:
+        c = chunked[0]
+        what = ("chunked local attention" if isinstance(c, ChunkedLocalAttentionSpec)
+                else "latent attention in a sliding window")
+        size = getattr(c, "attention_chunk_size", None) or getattr(c, "sliding_window", None)
+        return f"{what} ({size} tokens) is not supported: its blocks are not a window of whole tokens"
+    sliding = [s for s in specs if isinstance(s, SlidingWindowSpec)]
+    if len({s.sliding_window for s in sliding}) > 1:
+        return ("sliding windows of different sizes "
+                f"({', '.join(str(w) for w in sorted({s.sliding_window for s in sliding}))} tokens) "
+                "are not supported: a session's manifest names one")
+    full = [s for s in specs if not isinstance(s, SlidingWindowSpec)]
+    if not all(isinstance(s, FullAttentionSpec) for s in full) \
+            or (len(specs) > 1 and any(isinstance(s, MLAAttentionSpec) for s in specs)):
         return (f"{len(specs)} KV cache groups "
-                f"({', '.join(type(s).__name__ for s in specs)}); pages need one group of full attention")
+                f"({', '.join(type(s).__name__ for s in specs)}); pages need full attention "
+                "(and sliding windows beside it)")
+    shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for s in specs}
+    if len(shapes) > 1:
+        return ("cache groups of other block sizes, heads, head sizes or dtypes "
+                f"({len(shapes)} kinds): a page holds every layer alike")
     spec = specs[0]
     if isinstance(spec, MLAAttentionSpec):
         if spec.model_version or spec.alignment:

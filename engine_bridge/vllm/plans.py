@@ -26,6 +26,7 @@ from engine_bridge.core.bridge import SUPPORTED_LAYOUTS, check_manifest, read_ma
 from engine_bridge.core.pool import DEFAULT_KV
 from engine_bridge.errors import BridgeError, Unfingerprinted
 from engine_bridge.transport.choose import as_source
+from engine_bridge.vllm.windows import loadable
 from pffs.client.chainkeys import chain_keys, manifest_namespace
 from pffs.errors import PffsError
 from pffs.manifest import LogicalSeq, Manifest
@@ -137,7 +138,14 @@ def plan_load(root: Path, name: Any, params: dict[str, Any], prompt: list[int], 
         n, limit = 0, min(len(seq.token_ids), len(prompt) - 1)
         while n < limit and seq.token_ids[n] == prompt[n]:
             n += 1
-        pages = list(seq.page_ixs[:n // block_size])
+        m = n // block_size
+        window = (kv or {}).get("window")
+        if window and m:    # (a sliding-window model: pages whose window layers the session holds)
+            m = loadable(m, seq.n_tokens(block_size), int(window["tokens"]), block_size)
+            if not m:
+                raise ValueError(f"the prompt's first {n} tokens end before the session's last "
+                                 f"{window['tokens']} tokens, whose windowed layers alone it holds")
+        pages = list(seq.page_ixs[:m])
         if len(set(pages)) != len(pages):
             raise ValueError("the sequence lists a page twice")
         plan.path, plan.pages = folder, pages
@@ -161,13 +169,18 @@ def prefix_space(geometry: dict[str, Any], model: dict[str, Any], kv: dict[str, 
 
 
 def plan_prefix(index: Any, space: str, prompt: list[int], block_size: int,
-                inputs: dict[str, Any]) -> LoadPlan:
+                inputs: dict[str, Any], window: Any = None) -> LoadPlan:
     """The longest run of the prompt's full pages (less its last token) that
     *index* (a pffs.client.prefix_lookup.PrefixIndex) holds in *space*.  A
     request with other inputs (LoRA, salt, multimodal) finds nothing: keyed
     pages depend on their tokens alone."""
     plan = LoadPlan(PREFIX, digests=[])
     if inputs:
+        return plan
+    if window:
+        plan.error = (f"{PREFIX}: a sliding-window model's pages found by tokens may lack their "
+                      "windowed layers (each session holds them for its last tokens only): "
+                      "load a session by name")
         return plan
     try:
         plan.digests = [str(d) for d in index.longest_prefix(space, chain_keys(prompt[:-1], block_size))]
