@@ -17,7 +17,10 @@ light.  The objects are SGLang's real ones: ``MHATokenToKVPool`` on the CPU, its
 ``PagedTokenToKVPoolAllocator``, the ``UnifiedRadixCache`` (SGLang's radix cache; its
 ``init_hicache`` builds the host pool group, the ``MHATokenToKVPoolHost`` and the
 ``HybridCacheController``, a ``HiCacheController``), and the storage backend that
-the controller's ``StorageBackendFactory`` creates.  Write-through to L3 and prefetch
+the controller's ``StorageBackendFactory`` creates.  With ``mla=True`` the device pool
+is SGLang's ``MLATokenToKVPool`` and ``init_hicache`` builds an ``MLATokenToKVPoolHost``
+(one latent row a token and layer; :func:`random_latent`, :meth:`HiCache.host_latent`,
+:func:`mla_page_bytes`).  Write-through to L3 and prefetch
 run on the controller's own backup and prefetch threads.
 
 Usage::
@@ -210,8 +213,9 @@ def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_s
 
 def _transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
     """Device (layer-first: src_ptrs = [k_layer_0.., v_layer_0..]) -> host
-    page_first_direct (dst_ptrs = [k_buffer, v_buffer], (page, layer, slot, head, dim))."""
-    num_layers = len(src_ptrs) // 2
+    page_first_direct (dst_ptrs = [k_buffer, v_buffer], (page, layer, slot, head, dim)).
+    MLA: src_ptrs = [latent_layer_0..], dst_ptrs = [kv_buffer] (page, layer, slot, 1, dim)."""
+    num_layers = len(src_ptrs) // len(dst_ptrs)
     dst_indices = dst_indices.to(torch.int64).cpu()
     pages, slots = dst_indices // page_size, dst_indices % page_size
     for kv, dst in enumerate(dst_ptrs):
@@ -262,15 +266,54 @@ def _transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_i
             dst[dst_indices, layer] = src[src_indices.to(src.device)].to(dst.device)
 
 
-def _patch_transfers() -> None:
-    from sglang.srt.mem_cache.pool_host import mha
+# MLA (sglang/srt/mem_cache/pool_host/mla.py binds its kvcacheio names the same way):
+# the direct copies above serve its layer_first and page_first_direct pools (one
+# latent buffer instead of K and V); its page_first pool runs on the kernel backend,
+# whose two copies stand in here (host token h, layer l of page_first lives at
+# kv_buffer[h, l], a (1, latent) row; a device layer is (slots, 1, latent)).
 
-    for name, fn in (("transfer_kv_direct", _transfer_kv_direct),
-                     ("transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf),
-                     ("transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf),
-                     ("transfer_kv_all_layer_lf_pf", _transfer_kv_all_layer_lf_pf)):
-        if not hasattr(mha, name):
-            setattr(mha, name, fn)
+def _register_device_latent_layers(kv_pool) -> None:
+    for t in kv_pool.kv_buffer:
+        _device_layers[t.data_ptr()] = t
+
+
+def _transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size,
+                                     dst_layout_dim, num_layers):
+    """Device MLA layers (a pointer table) -> host page_first (dst: (tokens, layers, 1, latent))."""
+    row = dst.shape[-2] * dst.shape[-1] * dst.element_size()
+    if (item_size, dst_layout_dim) != (row, row * num_layers):
+        raise ValueError(f"not a page_first MLA host pool: item {item_size}, layer stride {dst_layout_dim}")
+    src_indices = src_indices.to(torch.int64).cpu()
+    dst_indices = dst_indices.to(torch.int64).cpu()
+    for layer, ptr in enumerate(src_layers.tolist()[:num_layers]):
+        src = _device_layers[int(ptr)]
+        dst[dst_indices, layer] = src[src_indices.to(src.device)].to(dst.device)
+
+
+def _transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size,
+                                     src_layout_dim):
+    """Host page_first MLA (src: (tokens, layers, 1, latent)) -> device layer *dst*."""
+    row = src.shape[-2] * src.shape[-1] * src.element_size()
+    if (item_size, src_layout_dim) != (row, row * src.shape[1]):
+        raise ValueError(f"not a page_first MLA host pool: item {item_size}, layer stride {src_layout_dim}")
+    src_indices = src_indices.to(torch.int64).cpu()
+    dst[dst_indices.to(torch.int64).to(dst.device)] = src[src_indices, layer_id].to(dst.device)
+
+
+def _patch_transfers() -> None:
+    from sglang.srt.mem_cache.pool_host import mha, mla
+
+    for mod, name, fn in ((mha, "transfer_kv_direct", _transfer_kv_direct),
+                          (mha, "transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf),
+                          (mha, "transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf),
+                          (mha, "transfer_kv_all_layer_lf_pf", _transfer_kv_all_layer_lf_pf),
+                          (mla, "transfer_kv_direct", _transfer_kv_direct),
+                          (mla, "transfer_kv_all_layer_direct_lf_pf", _transfer_kv_all_layer_direct_lf_pf),
+                          (mla, "transfer_kv_per_layer_direct_pf_lf", _transfer_kv_per_layer_direct_pf_lf),
+                          (mla, "transfer_kv_all_layer_mla_lf_pf", _transfer_kv_all_layer_mla_lf_pf),
+                          (mla, "transfer_kv_per_layer_mla_pf_lf", _transfer_kv_per_layer_mla_pf_lf)):
+        if not hasattr(mod, name):
+            setattr(mod, name, fn)
 
 
 # ---------------------------------------------------------------------------
@@ -390,20 +433,30 @@ class HiCache:
 
     server_args: Any            # sglang.srt.server_args.ServerArgs
     req_to_token_pool: Any      # ReqToTokenPool
-    kv_pool: Any                # MHATokenToKVPool (device pool, on the CPU)
+    kv_pool: Any                # MHATokenToKVPool (device pool, on the CPU; MLATokenToKVPool with mla)
     allocator: Any              # PagedTokenToKVPoolAllocator
     cache: Any                  # UnifiedRadixCache (the radix tree, HiCache on)
     controller: Any             # HybridCacheController (a HiCacheController)
-    host_pool: Any              # MHATokenToKVPoolHost (anchor of the host pool group)
+    host_pool: Any              # MHATokenToKVPoolHost (MLATokenToKVPoolHost), the group's anchor
     storage: Any                # the L3 backend (HiCacheFile, a dynamic backend, ...)
     page_size: int
+    mla: bool = False           # a latent (MLA) cache: K is the latent, there is no V
     storage_writes: list = dataclasses.field(default_factory=list)
     _closed: bool = False
 
     # -- device side --------------------------------------------------------
     def write_kv(self, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V, each (n_layers, len(indices), n_heads, head_dim), at device
-        token slots *indices* of the device pool."""
+        token slots *indices* of the device pool.  MLA: *k* is the latent,
+        (n_layers, len(indices), kv_lora_rank + qk_rope_head_dim), *v* None, stored by
+        the pool's own set_kv_buffer (a whole latent row a token)."""
+        if self.mla:
+            if v is not None:
+                raise ValueError("an MLA pool caches one latent a token: no V")
+            for layer in range(self.kv_pool.layer_num):
+                self.kv_pool.set_kv_buffer(None, indices, k[layer].unsqueeze(1), None,
+                                           layer_id_override=layer)
+            return
         for layer in range(self.kv_pool.layer_num):
             # (an fp8 pool stores uint8: the fp8 values' bytes)
             store = self.kv_pool.k_buffer[layer].dtype
@@ -415,6 +468,12 @@ class HiCache:
         k = torch.stack([self.kv_pool.k_buffer[layer][indices] for layer in range(self.kv_pool.layer_num)])
         v = torch.stack([self.kv_pool.v_buffer[layer][indices] for layer in range(self.kv_pool.layer_num)])
         return k.view(self.kv_pool.dtype), v.view(self.kv_pool.dtype)
+
+    def device_latent(self, indices: torch.Tensor) -> torch.Tensor:
+        """The MLA latent at device token slots *indices*: (n_layers, n, latent)."""
+        lat = torch.stack([self.kv_pool.kv_buffer[layer][indices, 0]
+                           for layer in range(self.kv_pool.layer_num)])
+        return lat.view(self.kv_pool.dtype)
 
     def radix_key(self, tokens, extra_key: Optional[str] = None, cache_salt: Optional[str] = None):
         from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -523,6 +582,20 @@ class HiCache:
         return [self.host_pool.get_data_page(int(host_indices[i]), flat=False)
                 for i in range(0, len(host_indices), ps)]
 
+    def host_latent(self, host_indices: torch.Tensor) -> torch.Tensor:
+        """The MLA host pool's latent at host token indices *host_indices*, whatever its
+        layout: (n_layers, n, latent) (MLATokenToKVPoolHost.init_kv_buffer: layer_first
+        (layers, tokens, 1, latent), page_first (tokens, layers, 1, latent),
+        page_first_direct (pages, layers, page_size, 1, latent))."""
+        buf, idx, layout = self.host_pool.kv_buffer, host_indices.to(torch.int64), self.host_pool.layout
+        if layout == "layer_first":
+            return buf[:, idx, 0]
+        if layout == "page_first":
+            return buf[idx, :, 0].transpose(0, 1)
+        if layout == "page_first_direct":
+            return buf[idx // self.page_size, :, idx % self.page_size, 0].transpose(0, 1)
+        raise ValueError(f"no latent view of host layout {layout!r}")
+
     def host_page_bytes(self, host_indices: torch.Tensor) -> list[bytes]:
         """The bytes of each page of :meth:`host_pages` (K then V, each
         [n_layers, page_size, n_heads, head_dim], C order: pffs contract §1)."""
@@ -581,7 +654,8 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
                  backend_extra_config: Optional[dict] = None, device_tokens: int = 1024,
                  host_tokens: Optional[int] = None, prefetch_threshold: Optional[int] = None,
                  write_policy: str = "write_through", tree_core: Optional[str] = None,
-                 model_path: str = "dummy") -> HiCache:
+                 model_path: str = "dummy", mla: bool = False, kv_lora_rank: int = 128,
+                 qk_rope_head_dim: int = 32) -> HiCache:
     """Build SGLang's HiCache stack on the CPU, the way its unit-test kit does
     (fixtures.build_fixture + mixins._init_hicache) with the production controller.
 
@@ -600,11 +674,16 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
     - *tree_core*: "python" or "rust" (SGLang's default, which falls back to python
       where the Rust core lacks a feature), the radix tree's core.
 
+    - *mla*: a latent cache instead: the device pool is SGLang's ``MLATokenToKVPool``
+      (*kv_lora_rank* + *qk_rope_head_dim* values a token and layer; *n_heads* and
+      *head_dim* unused), so ``init_hicache`` builds an ``MLATokenToKVPoolHost`` and the
+      controller tells the storage backend ``is_mla_model``.
+
     The storage backend may be None (host pool only)."""
     install()
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -638,10 +717,16 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
 
     req_to_token_pool = ReqToTokenPool(size=8, max_context_len=device_tokens, device="cpu",
                                        enable_memory_saver=False)
-    kv_pool = MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=n_heads,
-                               head_dim=head_dim, layer_num=n_layers, device="cpu",
-                               enable_memory_saver=False)
-    _register_device_layers(kv_pool)
+    if mla:
+        kv_pool = MLATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype,
+                                   kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                                   layer_num=n_layers, device="cpu", enable_memory_saver=False)
+        _register_device_latent_layers(kv_pool)
+    else:
+        kv_pool = MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=n_heads,
+                                   head_dim=head_dim, layer_num=n_layers, device="cpu",
+                                   enable_memory_saver=False)
+        _register_device_layers(kv_pool)
     allocator = PagedTokenToKVPoolAllocator(size=device_tokens, page_size=page_size, dtype=dtype,
                                             device="cpu", kvcache=kv_pool, need_sort=False)
     params = CacheInitParams(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
@@ -653,7 +738,7 @@ def make_hicache(page_size: int = 16, n_layers: int = 2, n_heads: int = 4, head_
     hc = HiCache(server_args=server_args, req_to_token_pool=req_to_token_pool, kv_pool=kv_pool,
                  allocator=allocator, cache=cache, controller=cc,
                  host_pool=cc.mem_pool_host.anchor_entry.host_pool, storage=cc.storage_backend,
-                 page_size=page_size)
+                 page_size=page_size, mla=mla)
     if cc.enable_storage:
         # As SGLang's kit does: the controller leaves half the host pool to write-back
         # and declines a prefetch past the rest; a test may prefetch a whole host pool.
@@ -676,3 +761,28 @@ def contract_page_bytes(k: torch.Tensor, v: torch.Tensor, page_size: int) -> lis
     page, K[:, page] then V[:, page], C order."""
     return [_tensor_bytes(k[:, s:s + page_size]) + _tensor_bytes(v[:, s:s + page_size])
             for s in range(0, k.shape[1] - page_size + 1, page_size)]
+
+
+def random_latent(hc: HiCache, n_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MLA cache rows for *n_tokens* tokens, in the pool's dtype: the compressed
+    KV (n_layers, n_tokens, kv_lora_rank) and its rotary part (n_layers, n_tokens,
+    qk_rope_head_dim)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = hc.kv_pool
+    nope = torch.randn((pool.layer_num, n_tokens, pool.kv_lora_rank), generator=g).to(pool.dtype)
+    rope = torch.randn((pool.layer_num, n_tokens, pool.qk_rope_head_dim), generator=g).to(pool.dtype)
+    return nope, rope
+
+
+def mla_page_bytes(nope: torch.Tensor, rope: torch.Tensor, page_size: int) -> list[bytes]:
+    """SPEC §1.1 page bytes, built by hand: per full page one C-ordered
+    [n_layers, page_size, latent] array, each latent the compressed KV then the rotary part."""
+    n_tokens = nope.shape[1]
+    out = []
+    for s in range(0, n_tokens - page_size + 1, page_size):
+        page = bytearray()
+        for layer in range(nope.shape[0]):
+            for t in range(s, s + page_size):
+                page += _tensor_bytes(nope[layer, t]) + _tensor_bytes(rope[layer, t])
+        out.append(bytes(page))
+    return out

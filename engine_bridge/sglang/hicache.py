@@ -17,6 +17,12 @@ a pffs mount that store, through the token-chain index (SPEC §7,
 A page is the SPEC §1 page (K then V, each ``[layers, tokens, heads,
 head_dim]``): SGLang's ``page_first_direct`` host layout holds it as two
 contiguous halves; ``page_first`` and ``layer_first`` are converted on the way.
+A model with multi-head latent attention (SGLang's ``MLATokenToKVPoolHost``:
+DeepSeek-V2/V3/R1, Kimi K2) has the SPEC §1.1 page instead, one
+``[layers, tokens, latent]`` array (each latent ``kv_lora_rank`` compressed
+values, then ``qk_rope_head_dim`` rotary ones), in the same three host layouts
+(``engine_bridge/sglang/mla_host.py``); its key namespace is MLA's own (the
+template manifest says ``attention: "mla"``), so an MHA session is never its hit.
 Every page read is checked as the mount's reads are (the frame's name and
 crc32, or its sha256 where the mount says ``-o verify=sha256``): a missing or
 damaged blob is a miss (False), never wrong bytes.  A damaged blob is set
@@ -42,11 +48,17 @@ refuses to start), ``io_threads`` (pages encoded, decoded and hashed at once; de
 up to 4), ``kv_scales`` (an fp8 cache's scales, ``{"k": [one per layer], "v": [...]}``:
 SGLang does not show a storage backend its attention layers; default null, 1.0).
 An fp8 cache (``--kv-cache-dtype`` fp8_e4m3, fp8_e5m2: a uint8 host pool) is
-stored as fp8 pages of that dtype, with zstd (1-byte values have no byte planes).  Refused at start, in one line: MLA models, pipeline parallel,
+stored as fp8 pages of that dtype, with zstd (1-byte values have no byte planes).  Refused at start, in one line: pipeline parallel,
 extra host pools (Mamba, sliding window, draft), a host layout other than
-the three above.  At tensor parallel > 1 every rank reads its heads of the
-whole-head pages; SGLang writes per-rank slices, which pffs does not keep
-(sessions hold whole heads): those ranks store nothing and say so once.
+the three above; for MLA also decode or attention context parallel (a rank
+holds a slice of a page's tokens), draft layers in the host pool, packed
+(DSA fp8) latent rows and a DeepSeek-V4 pool.  At tensor parallel > 1 every
+rank reads its heads of the whole-head pages; SGLang writes per-rank slices,
+which pffs does not keep (sessions hold whole heads): those ranks store
+nothing and say so once.  MLA at tensor parallel > 1: every rank holds and
+reads the whole latent; rank 0 alone stores, the others store nothing and
+answer success (as SGLang's own backends, whose controller skips their
+write-back).
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ from engine_bridge.core.bridge import SUPPORTED_LAYOUTS
 from engine_bridge.core.identity import checkpoint_weights_sha256, hf_config_sha256
 from engine_bridge.core.pool import DEFAULT_KV, DTYPE_NAMES
 from engine_bridge.errors import DamagedPage
+from engine_bridge.sglang import mla_host
 from engine_bridge.transport.mountinfo import StoreAccess, store_access
 from engine_bridge.transport.store_blobs import decode_page, fetch_frame
 from pffs.client.access import gc_lock
@@ -138,9 +151,14 @@ class PffsHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         if not extra.get("root"):
             raise ValueError("pffs HiCache storage needs extra config 'root': a pffs mount")
-        if storage_config.is_mla_model:
-            raise ValueError("pffs HiCache storage: MLA models are not supported "
-                             "(a pffs page holds K and V of every head)")
+        self.mla = bool(storage_config.is_mla_model)
+        split = {"decode context parallel": getattr(storage_config, "dcp_size", 1),
+                 "attention context parallel": getattr(storage_config, "attn_cp_size", 1)}
+        split = {name: n for name, n in split.items() if (n or 1) > 1}
+        if self.mla and split:
+            raise ValueError("pffs HiCache storage: MLA with " + ", ".join(
+                f"{name} (size {n})" for name, n in split.items()) + " is not supported (each rank "
+                "holds a slice of a page's tokens)")
         if storage_config.pp_size > 1:
             raise ValueError(f"pffs HiCache storage: pipeline parallel (size {storage_config.pp_size}) "
                              "is not supported")
@@ -153,6 +171,9 @@ class PffsHiCacheStorage(HiCacheStorage):
         self.mount = access.mountpoint
         self.blobs = access.blobs()
         self.tp_rank, self.tp_size = storage_config.tp_rank, storage_config.tp_size
+        # MLA: every rank holds the whole latent, so rank 0 alone writes (SGLang's
+        # is_storage_writer); MHA: each rank its heads (see _set).
+        self.writer = self.tp_rank == 0 or not self.mla
         self.identity = model_identity(storage_config.model_name, extra)
         self.extra = extra
         self.io_threads = max(1, int(extra.get("io_threads", min(4, os.cpu_count() or 1))))
@@ -169,34 +190,47 @@ class PffsHiCacheStorage(HiCacheStorage):
         layout = getattr(host, "layout", None)
         if layout not in LAYOUTS:
             raise ValueError(f"pffs HiCache storage: host layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-        if not all(hasattr(host, a) for a in ("head_num", "head_dim", "layer_num", "kv_buffer")):
+        if self.mla:
+            n_layers, latent, kv = mla_host.latent_geometry(host)
+        elif all(hasattr(host, a) for a in ("head_num", "head_dim", "layer_num", "kv_buffer")):
+            n_layers, kv = int(host.layer_num), dict(DEFAULT_KV)
+        else:
             raise ValueError(f"pffs HiCache storage: a {type(host).__name__} host pool is not an MHA "
                              "pool of K and V")
         dtype = page_dtype(host.dtype)
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"pffs HiCache storage: KV dtype {host.dtype} is not one pages hold")
-        kv = dict(DEFAULT_KV, scales=plain_scales(self.extra.get("kv_scales")))
+        kv["scales"] = plain_scales(self.extra.get("kv_scales"))
         if not DTYPE_NAMES[dtype].startswith("fp8") and kv["scales"] is not None:
             raise ValueError("pffs HiCache storage: kv_scales given for a KV cache that is not fp8")
         super().register_mem_pool_host(host)
-        self.page_size = int(host.page_size)
-        self.n_layers, self.heads, self.head_dim = int(host.layer_num), int(host.head_num), int(host.head_dim)
-        self.n_heads = self.heads * self.tp_size          # whole-head pages
-        self.first_head = self.heads * self.tp_rank
+        self.page_size, self.n_layers = int(host.page_size), n_layers
+        if self.mla:        # (SPEC §1.1: one latent a token, the whole of it on every rank)
+            self.heads, self.head_dim, self.n_heads, self.first_head = 1, latent, 1, 0
+            self.page_shape: tuple[int, ...] = mla_host.page_shape(n_layers, self.page_size, latent)
+        else:
+            self.heads, self.head_dim = int(host.head_num), int(host.head_dim)
+            self.n_heads = self.heads * self.tp_size          # whole-head pages
+            self.first_head = self.heads * self.tp_rank
+            self.page_shape = (2, n_layers, self.page_size, self.n_heads, self.head_dim)
         # (fp8 pages: zstd, not byte planes of 16-bit values)
         self.codec = for_itemsize(self.blobs.codec, dtype.itemsize)
-        self.page_bytes = 2 * self.n_layers * self.page_size * self.n_heads * self.head_dim * host.dtype.itemsize
-        # The manifest this engine's pages would have: their key namespace is its.
+        self.page_bytes = host.dtype.itemsize
+        for n in self.page_shape:
+            self.page_bytes *= n
+        # The manifest this engine's pages would have: their key namespace is its
+        # (an MLA page's is its own: the manifest says attention "mla").
         self.template = Manifest(page_size_tokens=self.page_size, n_layers=self.n_layers,
                                  n_heads=self.n_heads, head_dim=self.head_dim,
                                  dtype=DTYPE_NAMES[dtype], pages=[], layout=SUPPORTED_LAYOUTS[0],
-                                 model=self.identity, kv=kv, engine={"name": "sglang"})
+                                 model=self.identity, kv=kv, engine={"name": "sglang"},
+                                 attention="mla" if self.mla else "mha")
         self.space = manifest_namespace(json.loads(self.template.to_json()))
         if self.tp_rank == 0:
             self._write_template()
-        log.info("pffs HiCache storage on %s: %d layers x %d heads x %d x %d tokens (%s), %s layout, "
-                 "key namespace %s", self.mount, self.n_layers, self.n_heads, self.head_dim,
-                 self.page_size, DTYPE_NAMES[dtype], layout, self.space[:16])
+        log.info("pffs HiCache storage on %s: %s, %d layers x %d heads x %d x %d tokens (%s), %s layout, "
+                 "key namespace %s", self.mount, "MLA" if self.mla else "MHA", self.n_layers, self.n_heads,
+                 self.head_dim, self.page_size, DTYPE_NAMES[dtype], layout, self.space[:16])
 
     def _write_template(self) -> None:
         """``ROOT/.hicache/<namespace>.json``: a manifest with no pages, of this model,
@@ -222,7 +256,10 @@ class PffsHiCacheStorage(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _view(self, index: int) -> torch.Tensor:
-        """The host pool's page starting at token *index*, as [2, layers, tokens, heads, dim]."""
+        """The host pool's page starting at token *index*, as [2, layers, tokens, heads, dim]
+        (MLA: [layers, tokens, 1, latent])."""
+        if self.mla:
+            return mla_host.page_view(self.mem_pool_host, index, self.page_size)
         buf, t = self.mem_pool_host.kv_buffer, self.page_size
         layout = self.mem_pool_host.layout
         if layout == "page_first_direct":
@@ -233,22 +270,24 @@ class PffsHiCacheStorage(HiCacheStorage):
 
     def _flat_view(self, flat: torch.Tensor) -> torch.Tensor:
         """A flat page as SGLang's legacy interface hands it (``get_data_page`` /
-        ``set_from_flat_data_page`` order of the host layout), as [2, layers, tokens, heads, dim]."""
+        ``set_from_flat_data_page`` order of the host layout), as [2, layers, tokens, heads, dim]
+        (MLA: [layers, tokens, 1, latent])."""
+        if self.mla:
+            return mla_host.flat_page_view(self.mem_pool_host, flat, self.n_layers, self.page_size)
         t, n, h, d = self.page_size, self.n_layers, self.heads, self.head_dim
         if self.mem_pool_host.layout == "page_first":
             return flat.view(2, t, n, h, d).permute(0, 2, 1, 3, 4)
         return flat.view(2, n, t, h, d)
 
     def _staging(self) -> torch.Tensor:
-        """This thread's page buffer (whole heads)."""
+        """This thread's page buffer (whole heads; MLA: the whole latent)."""
         st = getattr(self._local, "staging", None)
         if st is None or st.numel() != self.page_bytes:
             st = self._local.staging = torch.empty(self.page_bytes, dtype=torch.uint8)
         return st
 
     def _typed(self, staging: torch.Tensor) -> torch.Tensor:
-        return staging.view(self.mem_pool_host.dtype).view(
-            2, self.n_layers, self.page_size, self.n_heads, self.head_dim)
+        return staging.view(self.mem_pool_host.dtype).view(self.page_shape)
 
     def _index(self) -> PrefixIndex:
         """This thread's view of the mount's index (SQLite connections stay with their thread)."""
@@ -300,7 +339,7 @@ class PffsHiCacheStorage(HiCacheStorage):
             log.warning("pffs HiCache storage: blob %s: %s: a miss", d, e)
             return False
         page = self._typed(staging)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not self.mla:     # (MLA: every rank the whole latent)
             page = page[:, :, :, self.first_head:self.first_head + self.heads]
         dest.copy_(page)
         return True
@@ -339,7 +378,11 @@ class PffsHiCacheStorage(HiCacheStorage):
 
     def _set(self, keys: Sequence[str], views: Callable[[], list[torch.Tensor]]) -> list[bool]:
         """Store the pages ``views()`` gives (one a key) and keep them by *keys*."""
-        if self.tp_size > 1:
+        if not self.writer:
+            # MLA at tensor parallel > 1: rank 0 stores the latent every rank holds; the
+            # others store nothing and say it is done, as SGLang's own backends do.
+            return [True] * len(keys)
+        if self.tp_size > 1 and not self.mla:
             if not self._said_slices:
                 self._said_slices = True
                 log.warning("pffs HiCache storage: at tensor parallel %d SGLang writes per-rank "

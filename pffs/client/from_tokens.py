@@ -64,7 +64,8 @@ def from_tokens(dest: str, tokens: Sequence[int], like: str) -> tuple[int, int]:
     m = mf.Manifest(page_size_tokens=t, n_layers=template.n_layers, n_heads=template.n_heads,
                     head_dim=template.head_dim, dtype=template.dtype, pages=digests,
                     logical_seqs=[mf.LogicalSeq("tokens", list(range(n)), 0, list(tokens[:n * t]))],
-                    layout=template.layout, model=template.model, kv=template.kv, engine=template.engine)
+                    layout=template.layout, model=template.model, kv=template.kv, engine=template.engine,
+                    attention=template.attention)
     place_manifest(dest, m.to_json())
     shown = len(os.listdir(os.path.join(dest, PAGES_DIR)))
     if shown != n:
