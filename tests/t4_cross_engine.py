@@ -173,3 +173,45 @@ def test_a_vllm_session_is_found_by_sglang_by_its_tokens(tmp_path, mount_factory
                 assert cos >= 0.999, f"page {i} {'KV'[kv]} layer {layer}: cosine {cos:.5f}"
                 least = min(least, cos)
     print(f"vLLM -> SGLang: 3 pages bit-equal, least cosine to transformers' K/V {least:.5f}")
+
+
+def test_a_vllm_mla_session_is_found_by_sglangs_mla_pool_by_its_tokens(tmp_path, mount_factory):
+    """Latent attention across engines: vLLM's real CPU engine saves a DeepSeek-V2
+    request as SPEC §1.1 pages; SGLang's MLA host pool (``MLATokenToKVPoolHost``),
+    given only the model folder, finds its full pages by SGLang's own chain keys in
+    MLA's key namespace, prefetches them bit for bit into its host pool and loads
+    them back into its device pool (``MLATokenToKVPool``) as SGLang's attention
+    reads them: compressed KV first, then the rotary part."""
+    import sglang_cpu
+    mnt = mount_factory()
+    with VllmEngine(tmp_path, mnt.path, kind="deepseek") as e:
+        s = e.one(P, {"pffs_save": "ds"}, max_tokens=8)
+        assert s["kv"]["pffs_save_scheduled"] == 107
+        wait_saved(mnt / "ds")
+        folder = str(e.model)
+    m = json.loads((mnt / "ds" / "manifest.json").read_bytes())
+    assert m["attention"] == "mla"
+    tokens = m["logical_seqs"][0]["token_ids"]
+    block, rank, rope = m["page_size_tokens"], m["kv"]["kv_lora_rank"], m["kv"]["qk_rope_head_dim"]
+    full = len(tokens) // block
+    q = tokens + [5, 6]
+    backend = {"backend_name": "pffs", "module_path": "engine_bridge.sglang",
+               "class_name": "PffsHiCacheStorage", "interface_v1": 1, "root": str(mnt.path)}
+    with sglang_cpu.make_hicache(page_size=block, n_layers=m["n_layers"], dtype=torch.bfloat16,
+                                 storage_backend="dynamic", backend_extra_config=backend,
+                                 model_path=folder, mla=True, kv_lora_rank=rank,
+                                 qk_rope_head_dim=rope) as hc:
+        st = hc.storage
+        assert st.space == ck.manifest_namespace(m)
+        keys = hc.page_keys(q)
+        assert keys[:full] == ck.chain_keys(tokens, block)[:full]
+        assert st.batch_exists(keys) == full
+        got = hc.host_page_bytes(hc.prefetch(q))
+        slots = hc.load_back(q)
+        latent = hc.device_latent(slots[:full * block])
+    want = [(mnt / "ds" / "pages" / page_name(i)).read_bytes() for i in range(full)]
+    assert got == want
+    pages = torch.frombuffer(bytearray(b"".join(want)), dtype=torch.bfloat16).view(
+        full, m["n_layers"], block, rank + rope)
+    assert torch.equal(latent.view(torch.int16),
+                       pages.permute(1, 0, 2, 3).reshape(m["n_layers"], full * block, -1).view(torch.int16))
