@@ -184,7 +184,7 @@ def test_a_vllm_mla_session_is_found_by_sglangs_mla_pool_by_its_tokens(tmp_path,
     reads them: compressed KV first, then the rotary part."""
     import sglang_cpu
     mnt = mount_factory()
-    with VllmEngine(tmp_path, mnt.path, kind="deepseek") as e:
+    with VllmEngine(tmp_path, mnt.path, kind="deepseek", native_rope=True) as e:
         s = e.one(P, {"pffs_save": "ds"}, max_tokens=8)
         assert s["kv"]["pffs_save_scheduled"] == 107
         wait_saved(mnt / "ds")

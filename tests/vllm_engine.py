@@ -36,6 +36,14 @@ if os.environ.get("PFFS_TEST_ATTN_ISA"):
     _cpu_attn._get_attn_isa = lambda *a, **k: os.environ["PFFS_TEST_ATTN_ISA"]
 
 
+if os.environ.get("PFFS_TEST_NATIVE_ROPE"):
+    # vLLM 0.32's CPU rotary kernel takes the strides of the key view MLA hands
+    # it wrongly (the connector refuses such an engine at start): here its own
+    # reference code rotates instead, in every process, as on a GPU host.
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding as _Rope
+    _Rope.forward_cpu = _Rope.forward_native
+
+
 def model_dir(path: str, n_heads: int, seed: int = 0) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
     import torch

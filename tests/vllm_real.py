@@ -29,7 +29,7 @@ class VllmEngine:
                  max_model_len: int = 1024, batched_tokens: int = 2048,
                  extra: dict[str, Any] | None = None, start_timeout: float = 300.0,
                  isa: str | None = None, inproc: bool = False, seed: int = 0, kind: str = "llama",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", native_rope: bool = False):
         self.log_path = tmp / f"vllm-{os.getpid()}-{id(self):x}.log"
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
@@ -40,6 +40,8 @@ class VllmEngine:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # (engine core in the driver's process)
         if isa:
             env["PFFS_TEST_ATTN_ISA"] = isa     # (the CPU attention kernel vLLM is to use)
+        if native_rope:
+            env["PFFS_TEST_NATIVE_ROPE"] = "1"     # (vLLM's reference rotary code: tests/vllm_engine.py)
         if tp > 1:
             # One core per rank: the ranks' OpenMP threads must not share them.
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))

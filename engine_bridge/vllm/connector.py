@@ -33,8 +33,10 @@ whole-head pages; a load at any size whose head split divides the heads
 scatters each rank's slice.  Multi-head latent attention (DeepSeek-V2/V3,
 Kimi K2) is saved as SPEC §1.1 pages (one latent vector a token and layer):
 every rank holds the whole latent, so the first rank alone writes and every
-rank loads whole pages.  Sliding-window models run with vLLM's hybrid KV
-cache manager on (``SupportsHMA``): each page takes every cache group's
+rank loads whole pages; an engine whose rotary embedding turns MLA's key
+view other than vLLM's reference code does is refused at start.
+Sliding-window models run with vLLM's hybrid KV cache manager on
+(``SupportsHMA``): each page takes every cache group's
 block, the windowed layers only where the window reaches
 (engine_bridge.vllm.windows).  Pipeline parallel is refused at start.
 ``docs/engines.md`` §10 says more.
@@ -69,7 +71,7 @@ from engine_bridge.transport.save_names import save_place
 from engine_bridge.transport.store_blobs import BlobSource
 from engine_bridge.vllm.kinds import kv_scales, page_dtype, refused_kind
 from engine_bridge.vllm.lanes import HeadSlicePool, JoinedPool, Lane, wait_lanes
-from engine_bridge.vllm.packing import check_latent_rows, engine_packing
+from engine_bridge.vllm.packing import check_latent_rope, check_latent_rows, engine_packing
 from engine_bridge.vllm.plans import (
     INPUTS,
     LOAD,
@@ -201,13 +203,6 @@ class PffsConnector(KVConnectorBase_V1, SupportsHMA):
         if self.window:
             self.kv["window"] = {"tokens": self.window, "layers": sorted(
                 i for layers, w in zip(self.group_layers, self.windowed) if w for i in layers)}
-        # vLLM turns its prefix cache off for MLA where its kernels cannot go on
-        # from a cached prefix (its CPU reference backend, CPU_MLA): a load there
-        # would give other tokens than computing, so only saves are served.
-        self.no_loads = ("vLLM runs this MLA model without its prefix cache, so its kernels "
-                         "cannot continue a prompt from loaded KV: sessions load into an MLA "
-                         "engine with a prefix cache" if self.mla and
-                         not vllm_config.cache_config.enable_prefix_caching else None)
         weights = str(extra.get("weights_sha256") or "") or checkpoint_weights_sha256(mc.model, mc.revision)
         if not weights:
             raise ValueError(f"PffsConnector: no weight files found for model {mc.model!r}: give "
@@ -287,8 +282,6 @@ class PffsConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 plan = plan_load(self.root, name, params, prompt, self.block_size, self.geometry,
                                  self.model, inputs_of(request), kv=self.kv)
-            if self.no_loads and not plan.error:
-                plan.error = f"{LOAD if name else PREFIX}{f' {name!r}' if name else ''}: {self.no_loads}"
             self._plans[request.request_id] = plan
             if plan.error:
                 log.warning("request %s: %s", request.request_id, plan.error)
@@ -455,6 +448,7 @@ class PffsConnector(KVConnectorBase_V1, SupportsHMA):
         latent on every rank (no gather; the first rank writes, every rank loads)."""
         assert self.mla is not None
         backend = check_latent_rows(self._vllm_config, self.layer_names, views[0], self.mla[0])
+        check_latent_rope(self._vllm_config, *self.mla, 4, views[0].dtype)
         pool = self._pool = MlaKVPool(views, self._kv_cache_config.num_blocks, kv_lora_rank=self.mla[0],
                                       qk_rope_head_dim=self.mla[1])
         log.info("pffs: latent (MLA) pages of vLLM's %s cache, %s", backend, tuple(views[0].shape))

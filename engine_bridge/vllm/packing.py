@@ -139,3 +139,36 @@ def check_latent_rows(vllm_config: Any, layer_names: Sequence[str], view: torch.
         raise ValueError(f"PffsConnector: the {backend} attention backend packs its latent cache "
                          "in blocks pffs does not know (known: one row a token)")
     return backend
+
+
+def check_latent_rope(vllm_config: Any, kv_lora_rank: int, rope_dim: int, n_heads: int,
+                      dtype: torch.dtype) -> None:
+    """ValueError when vLLM's rotary embedding, as this platform runs it, does not
+    rotate latent keys as its own reference code (``forward_native``) does.
+
+    An MLA layer hands the rotary embedding each token's rotary part as a view
+    ``[T, 1, rope_dim]`` into the latent row ``[T, kv_lora_rank + rope_dim]``
+    (and the queries' rotary part as a slice of theirs), and caches what it
+    gives back: pages of a rotary embedding that mistakes the view's strides
+    (vLLM 0.32's CPU kernel takes the key's head stride for its token stride)
+    hold latents that are not the model's, which no engine could continue from.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    t, nope = 24, 16
+    with set_current_vllm_config(vllm_config):
+        rope = RotaryEmbedding(rope_dim, rope_dim, 4096, 10000.0, False, dtype)
+    gen = torch.Generator().manual_seed(0)
+    latent = torch.randn((t, kv_lora_rank + rope_dim), generator=gen).to(dtype)
+    q = torch.randn((t, n_heads, nope + rope_dim), generator=gen).to(dtype)
+    positions = torch.arange(t) * 3 + 1
+    want_q, want_k = rope.forward_native(positions, q[..., nope:].clone(),
+                                         latent[:, kv_lora_rank:].unsqueeze(1).clone())
+    k_pe = latent.split([kv_lora_rank, rope_dim], dim=-1)[1].unsqueeze(1)
+    got_q, got_k = rope(positions, q[..., nope:], k_pe)
+    assert got_k is not None and want_k is not None
+    if not (torch.allclose(got_k.float(), want_k.float(), atol=0.05, rtol=0.02)
+            and torch.allclose(got_q.float(), want_q.float(), atol=0.05, rtol=0.02)):
+        raise ValueError("vLLM's rotary embedding on this platform rotates latent-attention keys "
+                         "other than its reference code does (its CPU kernel mistakes the strides "
+                         "of the key view MLA hands it): the latents it caches are not the model's")
