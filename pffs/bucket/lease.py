@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from pffs import namespace as ns
+from pffs.bucket.shared_index import Publisher
 from pffs.errors import PffsError, StoreUnavailable
 from pffs.store.s3 import MOUNTS, S3BlobStore
 from pffs.types import is_digest
@@ -99,6 +100,8 @@ class RemoteMount:
         self._written: tuple[frozenset, float] | None = None  # (digests, monotonic time) of the last write
         self._reachable = True
         self._conn: sqlite3.Connection | None = None
+        # The keys this mount records, published to every mount of the bucket.
+        self.publisher = Publisher(blobs)
 
     def _references(self) -> tuple[set[str], set[str]]:
         """(every digest to list, the pinned ones among them)."""
@@ -168,6 +171,7 @@ class RemoteMount:
                         self.key, e)
         if self._conn is not None:
             self._conn.close()
+        self.publisher.close()
         self.blobs.close()
 
     def adopt(self, pages: Sequence[str]) -> int:

@@ -19,18 +19,27 @@ the namespace.
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 import sqlite3
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pffs import manifest as mf
 from pffs.client.chainkeys import INPUTS_FIELD, chain_keys, key_namespace, keys_value, pairs_value
 from pffs.client.du import open_namespace, target
 from pffs.errors import PffsError
-from pffs.names import PREFIX_PUT_XATTR, PREFIX_TOUCH_XATTR, PREFIX_XATTR
+from pffs.names import PREFIX_PUT_XATTR, PREFIX_TOUCH_XATTR, PREFIX_XATTR, STORE_XATTR
 from pffs.namespace import path_of, prefix_index
 from pffs.types import Digest
+
+log = logging.getLogger(__name__)
+#: Buckets opened for the shared index, by their mount's store.json.
+_BUCKETS: dict[bytes, Any] = {}
+_BUCKETS_LOCK = threading.Lock()
 
 #: Keys per touch (an xattr value holds at most 64 KiB).
 TOUCH_BATCH = 900
@@ -39,11 +48,17 @@ PUT_BATCH = 400
 
 
 class PrefixIndex:
-    """A mount's prefix index, its namespace held open for repeated lookups."""
+    """A mount's prefix index, its namespace held open for repeated lookups.
 
-    def __init__(self, mountpoint: str | os.PathLike):
+    A mount of an S3 store shares its index through the bucket
+    (pffs.bucket.shared_index): keys past the local run are asked of the bucket,
+    within a bounded wait, and what it holds is adopted into the mount's key-only
+    cache (no page bytes move until read)."""
+
+    def __init__(self, mountpoint: str | os.PathLike, *, shared: bool = True):
         self.mountpoint = os.fspath(mountpoint)
         self.conn: sqlite3.Connection = open_namespace(self.mountpoint)
+        self._bucket: Any = None if shared else False     # (None: not looked for yet; False: none)
 
     def close(self) -> None:
         self.conn.close()
@@ -66,7 +81,45 @@ class PrefixIndex:
         cached = [k for k, (_, only_cache) in zip(keys, found) if only_cache]
         if touch and cached:
             touch_keys(self.mountpoint, space, cached)
-        return [d for d, _ in found]
+        out = [d for d, _ in found]
+        if len(out) < len(keys):
+            out += self._from_bucket(space, keys[len(out):])
+        return out
+
+    def bucket(self) -> Any:
+        """The mount's bucket where its store is one this process may read (else None)."""
+        if self._bucket is None:
+            self._bucket = False
+            try:
+                raw = os.getxattr(self.mountpoint, STORE_XATTR)
+                info = json.loads(raw)
+            except (OSError, ValueError):
+                info = {}
+            if info.get("url"):
+                with _BUCKETS_LOCK:     # (one client a store and process: threads share it)
+                    if raw not in _BUCKETS:
+                        from pffs.client.access import NoDirectAccess, open_bucket
+                        try:
+                            _BUCKETS[raw] = open_bucket(info)
+                        except NoDirectAccess as e:
+                            log.info("%s: the shared index is not asked: %s", self.mountpoint, e)
+                            _BUCKETS[raw] = False
+                    self._bucket = _BUCKETS[raw]
+        return self._bucket or None
+
+    def _from_bucket(self, space: str, keys: Sequence[str]) -> list[Digest]:
+        """The leading run of *keys* another mount of the bucket published, adopted here."""
+        bucket = self.bucket()
+        if bucket is None:
+            return []
+        from pffs.bucket.shared_index import remote_run
+        pairs = remote_run(bucket, space, keys)
+        if pairs:
+            try:
+                cache_blobs(self.mountpoint, space, [(k, str(d)) for k, d in pairs])
+            except PffsError as e:     # (read-only, or the caller may not write the root)
+                log.info("shared index: %d pages found in the bucket not kept here: %s", len(pairs), e)
+        return [d for _, d in pairs]
 
 
 def longest_prefix(mountpoint: str | os.PathLike, space: str, keys: Sequence[str], *,
@@ -163,6 +216,12 @@ def prefix_report(session: str, tokens: Sequence[int] | None = None, *, most: in
         conn.execute("COMMIT")
     finally:
         conn.close()
+    if found < len(keys):       # (what other mounts of the bucket keyed, adopted here)
+        with PrefixIndex(place.mount) as index:
+            more = index._from_bucket(space, keys[found:])
+        for p in pages[found:found + len(more)]:
+            p.holders, p.cached = ["(another mount, through the bucket)"], True
+        found += len(more)
     return PrefixReport(space, m.page_size_tokens, pages, found)
 
 

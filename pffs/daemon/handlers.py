@@ -93,7 +93,8 @@ def build(db: Database, content: ContentStore, *, nursery: trio.Nursery | None, 
     registry = None if live_mount is None else Registry(KernelCache(invalidate), mountpoint=live_mount)
     requests: dict[str, int] = {}
     pffs = PffsTree(db, reader, requests, socket_path, store_root, store_json, files.copies,
-                    registry.counts if registry is not None else None, content.named)
+                    registry.counts if registry is not None else None, content.named,
+                    content.publisher.counts if content.publisher is not None else None)
     trees: dict[str, Tree] = {
         NAMESPACE: NamespaceTree(db, content, inodes, files, manifests, prefetch, invalidate,
                                  store_json, prefix_cache_size),

@@ -347,7 +347,7 @@ class Daemon:
             adopt = direct.LocalAdopter(db, blobs, counted, pending=None if sync_on_close else pending)
         content = ContentStore(blobs, st.staging_dir, db=db, threads=threads, max_size=opts.max_size,
                                sync_on_close=sync_on_close, pending=pending, stored=counted,
-                               gc_lock=st.gc_lock, adopt=adopt)
+                               gc_lock=st.gc_lock, adopt=adopt, publisher=remote and remote.publisher)
         undo.callback(content.close)
         handlers = build(db, content, nursery=nursery, cache_size=cache_size,
                          staging_memory=opts.staging_memory, journal_fsync=st.url is None,

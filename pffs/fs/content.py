@@ -117,7 +117,8 @@ class ContentStore:
                  threads: int | None = None, max_size: int | None = None,
                  sync_on_close: bool = False, pending: PutBatch | None = None,
                  stored: StoredBytes | None = None, gc_lock: GcLock | None = None,
-                 adopt: Callable[[Sequence[str]], Any] | None = None):
+                 adopt: Callable[[Sequence[str]], Any] | None = None,
+                 publisher: Any = None):
         self.blobs = blobs
         self.db = db
         self.staging_dir = Path(staging_dir)
@@ -152,6 +153,10 @@ class ContentStore:
         # find them.  From a bucket (``blobs.remote``) a fork's pages are
         # adopted at the manifest's close even for bytes accepted before.
         self.adopt = adopt
+        # publisher.publish(space, [(key, digest)]): index entries this mount records,
+        # shared with every mount of its bucket (pffs.bucket.shared_index.Publisher,
+        # its ``counts`` in stats.json; None: a local store).
+        self.publisher = publisher
         self.block_budget = BlockBudget(BLOCK_SIZE)
 
     def close(self) -> None:
@@ -181,7 +186,14 @@ class ContentStore:
                     and (self.blobs.remote or not isinstance(m, AcceptedManifest)):
                 # (Bytes accepted before on a local store: their pages were adopted then.)
                 self.adopt(m.pages)
-            return stored, then(stored)
+            done = then(stored)
+            if self.publisher is not None and isinstance(m, mf.Manifest):
+                # (A manifest parsed here, named now: its keys to every mount of the bucket;
+                # bytes accepted before, a fork's, published theirs then.)
+                keys = ns.manifest_keys(m)
+                if keys is not None:
+                    self.publisher.publish(keys[0], [(k, m.pages[ix]) for ix, k in keys[1]])
+            return stored, done
 
     def _accepted(self, digest: str) -> int | None:
         """From a commit thread: the page count of a manifest already accepted

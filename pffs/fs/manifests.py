@@ -75,6 +75,8 @@ class Manifests:
             keys = await trio.to_thread.run_sync(ns.manifest_keys, m, limiter=self.content.limiter)
             if self.content.adopt is not None:
                 await trio.to_thread.run_sync(self.content.adopt, m.pages, limiter=self.content.limiter)
+            if self.content.publisher is not None and keys is not None:
+                self.content.publisher.publish(keys[0], [(k, m.pages[ix]) for ix, k in keys[1]])
         except mf.ManifestError as e:
             log.warning("%s %s: refused manifest: %s", op, where, e)
             raise FUSEError(errno.EINVAL) from None

@@ -432,6 +432,8 @@ class NamespaceTree(Tree):
         """Key-only cache rows (key, blob, size) recorded, then its LRU eviction."""
         gone = await self.db.write(prefix_index.cache_pages, space, rows, ns.now_ns(),
                                    self.prefix_cache_size)
+        if self.content.publisher is not None:
+            self.content.publisher.publish(space, [(k, d) for k, d, _ in rows])
         if gone:
             log.info("prefix cache: %d least recently used key-only pages evicted past %d bytes",
                      gone, self.prefix_cache_size)

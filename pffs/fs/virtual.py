@@ -52,13 +52,14 @@ class PffsTree(Tree):
     def __init__(self, db: Database, reader: BlobReader, requests: dict[str, int],
                  socket_path: str = "", store_root: str = "", store_json: bytes = b"{}\n",
                  copies: dict[str, int] | None = None, live: dict[str, int] | None = None,
-                 named: dict[str, int] | None = None):
+                 named: dict[str, int] | None = None, shared: dict[str, int] | None = None):
         self.db = db
         self.reader = reader
         self.requests = requests             # FUSE requests served, by handler
         self.copies = copies if copies is not None else {}   # (pffs.fs.files.Files.copies)
         self.live = live                     # (pffs.live.registry.LiveRegistry.counts)
         self.named = named if named is not None else {}   # (pffs.fs.content.ContentStore.named)
+        self.shared = shared        # (pffs.bucket.shared_index.Publisher.counts)
         self.store_root = store_root
         self.socket_path = socket_path.encode()
         self.store_json = store_json         # (pffs.fs.adoption.store_info)
@@ -103,6 +104,8 @@ class PffsTree(Tree):
             figures["blobs_named"] = dict(self.named)
             if self.live is not None:
                 figures["live"] = dict(self.live)
+            if self.shared is not None:
+                figures["shared_index"] = dict(self.shared)
             figures["namespace_writes"] = dict(self.db.counts)
             return (json.dumps(figures, indent=2) + "\n").encode()
         if ino == STORE:

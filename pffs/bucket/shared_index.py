@@ -1,0 +1,241 @@
+"""The token-chain index shared through the bucket: what one mount keys, any mount of
+the bucket finds by the same tokens (SPEC §7, docs/s3.md "One index for every host").
+
+Each mount's namespace keeps its own index (pffs.namespace.prefix_index).  A mount
+of an S3 store also *publishes* every key it records, a session's pages as its
+manifest takes its name and pages kept by key alone, as one small object::
+
+    PREFIX/index/<namespace>/<key>      body: the page's digest ("sha256:<hex>")
+
+written if absent (a conditional PUT), so two mounts publishing one key at once
+agree on the first.  Publishing runs on threads of its own and never delays a
+request; a key already published by this mount is not sent again.
+
+A lookup whose local run stops short asks the bucket for the keys after it
+(:func:`remote_run`): GETs in parallel, in order, stopping at the first key the
+bucket lacks, each found digest then checked to be in ``blobs/`` (one HEAD, or
+the store's recent answer).  An entry whose blob is gone is a miss, and is
+removed.  The whole remote part is bounded by a deadline (``DEADLINE``, 50 ms):
+what has not answered by then is a miss; a bucket that answers nothing in time
+is not asked again for ``QUIET`` seconds, so an engine's requests never wait on
+a dead bucket more than once a second.  Misses are remembered for
+``NEGATIVE_TTL`` seconds (a key asked for again and again by requests that
+share a prefix costs one GET a window).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+
+from pffs.errors import PffsError
+from pffs.store.s3 import S3BlobStore
+from pffs.types import Digest, is_digest
+
+log = logging.getLogger(__name__)
+
+INDEX = "index/"
+#: How long the bucket's part of one lookup may take, in seconds.
+DEADLINE = 0.05
+#: After a lookup found the bucket silent, how long lookups do not ask it.
+QUIET = 1.0
+#: How long a key the bucket did not hold is not asked for again.
+NEGATIVE_TTL = 2.0
+#: GETs in flight at once for one lookup.
+LOOKUP_THREADS = 16
+#: Keys this mount remembers having published (not sent again).
+PUBLISHED_MAX = 1 << 20
+
+
+def object_key(space: str, key: str) -> str:
+    return f"{INDEX}{space}/{key}"
+
+
+class Publisher:
+    """A mount's publishing of index entries into its bucket (threads of its own)."""
+
+    def __init__(self, blobs: S3BlobStore, threads: int = 4):
+        self.blobs = blobs
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pffs-index-publish")
+        self._sent: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+        # (stats.json's "shared_index"): keys waiting to be sent, entries this mount
+        # wrote, keys the bucket had already, keys not sent (the bucket failed).
+        self.counts = {"pending": 0, "published": 0, "present": 0, "failed": 0}
+        self._pending: set[Future] = set()
+
+    def publish(self, space: str, pairs: Sequence[tuple[str, str]]) -> None:
+        """Publish (key, digest) pairs of namespace *space*; returns at once."""
+        todo = []
+        with self._lock:
+            for key, digest in pairs:
+                if not is_digest(digest) or (space, key) in self._sent:
+                    continue
+                self._sent[(space, key)] = None
+                if len(self._sent) > PUBLISHED_MAX:
+                    self._sent.popitem(last=False)
+                todo.append((key, digest))
+        if not todo:
+            return
+        with self._lock:
+            self.counts["pending"] += len(todo)
+            fut = self._pool.submit(self._put, space, todo)
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def _put(self, space: str, pairs: list[tuple[str, str]]) -> None:
+        wrote, failed = 0, []
+        for key, digest in pairs:
+            try:
+                if self.blobs.put_object(object_key(space, key), digest.encode("ascii"),
+                                         if_absent=True, background=True):
+                    wrote += 1
+            except PffsError as e:
+                failed.append((key, str(e)))
+        with self._lock:
+            self.counts["pending"] -= len(pairs)
+            self.counts["published"] += wrote
+            self.counts["present"] += len(pairs) - wrote - len(failed)
+            self.counts["failed"] += len(failed)
+            for key, _ in failed:       # (sent again by the next record of the key)
+                self._sent.pop((space, key), None)
+        if failed:
+            log.warning("shared index: %d of %d keys not published to %s (%s)", len(failed), len(pairs),
+                        self.blobs.url, failed[0][1])
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for every publish submitted so far (True when all ended in time)."""
+        with self._lock:
+            pending = list(self._pending)
+        if not pending:
+            return True
+        done, _ = wait(pending, timeout=timeout)
+        return len(done) == len(pending)
+
+    def close(self) -> None:
+        self.flush()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Lookups:
+    """The bucket side of lookups in one process: threads, misses remembered, quiet time."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="pffs-index-lookup")
+        self.lock = threading.Lock()
+        self.missing: dict[tuple[str, str, str], float] = {}    # (bucket url, space, key) -> until
+        self.quiet_until = 0.0
+        self.requests = 0           # GETs and HEADs sent (tests count them)
+
+    def missed(self, url: str, space: str, key: str, now: float) -> bool:
+        with self.lock:
+            until = self.missing.get((url, space, key))
+            if until is not None and until <= now:
+                del self.missing[(url, space, key)]
+                return False
+            return until is not None
+
+    def miss(self, url: str, space: str, key: str, now: float) -> None:
+        with self.lock:
+            if len(self.missing) > 100_000:
+                self.missing = {k: t for k, t in self.missing.items() if t > now}
+            self.missing[(url, space, key)] = now + NEGATIVE_TTL
+
+
+_LOOKUPS = _Lookups()
+
+
+def lookups() -> _Lookups:
+    return _LOOKUPS
+
+
+def _get(blobs: S3BlobStore, space: str, key: str) -> Digest | None:
+    with _LOOKUPS.lock:
+        _LOOKUPS.requests += 1
+    got = blobs.get_object(object_key(space, key))
+    if got is None:
+        return None
+    text = got[0].decode("ascii", "replace").strip()
+    return Digest(text) if is_digest(text) else None
+
+
+def remote_run(blobs: S3BlobStore, space: str, keys: Sequence[str], *,
+               deadline: float = DEADLINE) -> list[tuple[str, Digest]]:
+    """The leading run of *keys* that the bucket's shared index holds, each a page the
+    bucket stores: [(key, digest)], at most *deadline* seconds spent (what has not
+    answered by then is a miss).  Never raises for the bucket's faults."""
+    now = time.monotonic()
+    if not keys or now < _LOOKUPS.quiet_until:
+        return []
+    end = now + deadline
+    url = blobs.url
+    out: list[tuple[str, Digest]] = []
+    i = 0
+    while i < len(keys):
+        wave = []
+        for key in keys[i:i + LOOKUP_THREADS]:
+            if _LOOKUPS.missed(url, space, key, now):
+                break
+            wave.append(key)
+        if not wave:
+            break
+        futs = [_LOOKUPS.pool.submit(_get, blobs, space, k) for k in wave]
+        done, late = wait(futs, timeout=max(0.0, end - time.monotonic()), return_when=FIRST_EXCEPTION)
+        found: list[tuple[str, Digest]] = []
+        for k, f in zip(wave, futs):
+            if f not in done or f.exception() is not None:
+                if f in late or isinstance(f.exception(), PffsError):
+                    _LOOKUPS.quiet_until = time.monotonic() + QUIET
+                    log.info("shared index: %s did not answer in %.0f ms: lookups miss there for %.0f s",
+                             url, deadline * 1000, QUIET)
+                break
+            d = f.result()
+            if d is None:
+                _LOOKUPS.miss(url, space, k, now)
+                break
+            found.append((k, d))
+        found = _stored(blobs, space, found, end)
+        out += found
+        if len(found) < len(wave):
+            break
+        i += len(wave)
+    return out
+
+
+def _stored(blobs: S3BlobStore, space: str, found: list[tuple[str, Digest]],
+            end: float) -> list[tuple[str, Digest]]:
+    """The leading run of *found* whose blobs the bucket stores; an entry whose blob is
+    gone is removed from the shared index."""
+    if not found:
+        return []
+    fut = _LOOKUPS.pool.submit(blobs.lookup_many, [d for _, d in found])
+    with _LOOKUPS.lock:
+        _LOOKUPS.requests += 1
+    try:
+        rows = fut.result(timeout=max(0.0, end - time.monotonic()))
+    except Exception:       # (late or failed: a miss, as any bucket fault here)
+        return []
+    out = []
+    for key, d in found:
+        if d not in rows:
+            log.info("shared index: %s names %s, which %s no longer holds: entry removed",
+                     key[:16], d, blobs.url)
+            _LOOKUPS.pool.submit(_forget, blobs, space, key)
+            break
+        out.append((key, d))
+    return out
+
+
+def _forget(blobs: S3BlobStore, space: str, key: str) -> None:
+    try:
+        blobs.delete_object(object_key(space, key))
+    except PffsError:
+        pass

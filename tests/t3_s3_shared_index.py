@@ -1,0 +1,145 @@
+"""Level t3, mounts: the token-chain index shared through the bucket (SPEC §7,
+docs/s3.md "One index for every host"), on a real SeaweedFS server with two
+mounts of one bucket, each with its own cache folder, as on two hosts.
+
+A session written on mount A is found by its tokens alone on mount B
+(``longest_prefix``, ``pffs prefix``, ``pffs from-tokens``), B adopts what it
+found (its own index holds it afterwards, no page bytes moved), pages kept by
+key alone on A are found on B too; a published entry whose blob is gone is a
+miss and is removed; two mounts publishing one key agree on the first; with
+the server stopped a lookup misses (never an error) and further lookups do
+not ask the silent bucket again for a while.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mountutil import pffs
+from seaweed import s3_mounts, weed  # noqa: F401  (fixtures)
+from sessions import GEOMETRY, digest, varied_pages
+from t3_prefix_index import write_session
+
+from pffs.bucket import shared_index
+from pffs.client import chainkeys as ck
+from pffs.client.prefix_lookup import PrefixIndex, cache_blobs, longest_prefix
+
+T = GEOMETRY["page_size_tokens"]
+
+
+def index_objects(weed, bucket: str, prefix: str) -> dict[str, str]:
+    """The shared index's entries in the bucket: {"<space>/<key>": digest}."""
+    c = weed.client
+    out = {}
+    for key in weed.objects(bucket, f"{prefix}/index/"):
+        body = c.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+        out[key.split("/index/", 1)[1]] = body
+    return out
+
+
+def published(m) -> None:
+    """Wait until the mount's publishing threads are idle: its .pffs/stats.json says
+    nothing is pending (stats are the daemon's own count)."""
+    from mountutil import wait_for
+    wait_for(lambda: json.loads((m.path / ".pffs" / "stats.json").read_bytes())
+             .get("shared_index", {}).get("pending", 1) == 0, what="publishing")
+
+
+def test_a_session_on_one_mount_is_found_by_tokens_on_another(weed, s3_mounts, bf16_pages, tmp_path):
+    bucket = weed.make_bucket()
+    url = f"s3://{bucket}/kv"
+    a, b = s3_mounts("a", url), s3_mounts("b", url)
+    pages = varied_pages(bf16_pages, 5, salt=303)
+    tokens = list(range(80_000, 80_000 + 5 * T))
+    man, space, keys = write_session(a.path / "chat", pages, tokens)
+    published(a)
+    entries = index_objects(weed, bucket, "kv")
+    assert entries == {f"{space}/{k}": d for k, d in zip(keys, man.pages)}
+
+    # B has never seen the session: its own index is empty, the bucket's has it.
+    with PrefixIndex(b.path, shared=False) as local:
+        assert local.longest_prefix(space, keys) == []
+    before = shared_index.lookups().requests
+    longer = keys[:3] + ck.chain_keys(tokens[:3 * T] + [7] * T, T)[3:]
+    assert longest_prefix(b.path, space, longer) == man.pages[:3]
+    assert shared_index.lookups().requests - before >= 4      # (3 GETs and a miss, HEADs)
+    # Adopted: B's own index holds the pages now, by key alone, with no bytes moved.
+    with PrefixIndex(b.path, shared=False) as local:
+        assert local.longest_prefix(space, keys) == man.pages[:3]
+    assert longest_prefix(b.path, space, keys) == man.pages
+
+    # pffs from-tokens on B makes a session of A's pages; pffs prefix says where they came from.
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens))
+    (b.path / "t").mkdir()
+    (b.path / "t" / "manifest.json").write_bytes(man.to_json())    # (the model and geometry)
+    r = pffs("prefix", b.path / "t", "--json")
+    assert json.loads(r.stdout)["found"] == 5
+    r = pffs("from-tokens", b.path / "copy", "--like", b.path / "t", "--tokens", tmp_path / "tokens.json",
+             check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [digest((b.path / "copy" / "pages" / mf_name(i)).read_bytes()) for i in range(5)] == man.pages
+
+
+def mf_name(i: int) -> str:
+    from pffs import manifest as mf
+    return mf.page_name(i)
+
+
+def test_key_only_pages_are_shared_and_a_gone_blob_is_a_miss(weed, s3_mounts, bf16_pages):
+    bucket = weed.make_bucket()
+    url = f"s3://{bucket}/kv"
+    a, b = s3_mounts("a", url), s3_mounts("b", url)
+    pages = varied_pages(bf16_pages, 2, salt=404)
+    man, space, keys = write_session(a.path / "s", pages, list(range(1, 2 * T + 1)))
+    # A page kept by key alone on A (as SGLang's write-through keeps them).
+    other = ck.chain_keys(list(range(5, 5 + T)), T)
+    cache_blobs(a.path, space, [(other[0], man.pages[1])])
+    published(a)
+    assert longest_prefix(b.path, space, other) == [man.pages[1]]
+
+    # Another entry whose blob the bucket no longer holds: a miss, and removed.
+    ghost = ck.chain_keys(list(range(9, 9 + T)), T)[0]
+    c = weed.client
+    c.put_object(Bucket=bucket, Key=f"kv/index/{space}/{ghost}", Body=b"sha256:" + b"ab" * 32)
+    assert longest_prefix(b.path, space, [ghost]) == []
+    from mountutil import wait_for
+    wait_for(lambda: f"{space}/{ghost}" not in index_objects(weed, bucket, "kv"), what="the entry removed")
+
+
+def test_two_mounts_publishing_one_key_agree_on_the_first(weed, s3_mounts, bf16_pages):
+    bucket = weed.make_bucket()
+    url = f"s3://{bucket}/kv"
+    a, b = s3_mounts("a", url), s3_mounts("b", url)
+    first, second = varied_pages(bf16_pages, 2, salt=505)
+    space = "5" * 64
+    key = ck.chain_keys(list(range(3, 3 + T)), T)[0]
+    (a.path / "x").write_bytes(first)
+    (b.path / "y").write_bytes(second)
+    from pffs.client.prefix_lookup import cache_page
+    cache_page(a.path / "x", space, key)
+    published(a)
+    cache_page(b.path / "y", space, key)
+    published(b)
+    assert index_objects(weed, bucket, "kv") == {f"{space}/{key}": digest(first)}
+
+
+def test_an_unreachable_bucket_makes_lookups_miss_and_is_not_asked_again_at_once(weed, s3_mounts,
+                                                                                  bf16_pages):
+    bucket = weed.make_bucket()
+    url = f"s3://{bucket}/kv"
+    a, b = s3_mounts("a", url), s3_mounts("b", url)
+    pages = varied_pages(bf16_pages, 2, salt=606)
+    man, space, keys = write_session(a.path / "s", pages, list(range(40, 40 + 2 * T)))
+    published(a)
+    for m in (a, b):
+        m.skip_check = True     # (the server is stopped under them)
+    weed.stop()
+    try:
+        with PrefixIndex(b.path) as index:
+            assert index.longest_prefix(space, keys) == []        # a miss, no error
+            asked = shared_index.lookups().requests
+            assert index.longest_prefix(space, keys) == []
+            assert shared_index.lookups().requests == asked       # the quiet time: not asked
+    finally:
+        shared_index.lookups().quiet_until = 0.0
+        weed.start()
