@@ -51,6 +51,7 @@ from engine_bridge.core.pool import BlockId
 from engine_bridge.errors import BridgeError, PageInError
 from engine_bridge.transport.choose import as_source
 from engine_bridge.transport.mountinfo import store_access
+from engine_bridge.transport.session_io import SourceBase
 from engine_bridge.transport.store_blobs import BlobSink, BlobSource
 from pffs.live import protocol
 from pffs.manifest import ManifestError
@@ -63,7 +64,7 @@ log = logging.getLogger("engine_bridge.attach.agent")
 SHARED_STAGING_BYTES = 64 << 20
 
 
-class _ShmSource:
+class _ShmSource(SourceBase):
     """A session handed over by the daemon: page i at i*page_bytes of a memfd, then manifest.json."""
 
     def __init__(self, mm: mmap.mmap | bytes, sizes: list[int], page_bytes: int, manifest_len: int):

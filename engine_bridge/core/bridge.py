@@ -41,8 +41,8 @@ from engine_bridge.errors import (
     Unfingerprinted,
     WrongSizePage,
 )
-from engine_bridge.transport.choose import as_sink, as_source
-from engine_bridge.transport.session_io import SessionSource, SinkLike, SourceLike
+from engine_bridge.transport.choose import as_page_sink, as_sink, as_source
+from engine_bridge.transport.session_io import PageSink, SessionSource, SinkLike, SourceLike
 from pffs.manifest import LAYOUTS as PAGE_LAYOUTS
 from pffs.manifest import LogicalSeq, Manifest, ManifestError, parse, plain_scales
 from pffs.types import Digest, digest_of
@@ -154,16 +154,17 @@ def read_manifest(source: SessionSource) -> Manifest:
 
 def check_present(source: SessionSource, manifest: Manifest) -> None:
     """Refuse a session with a page missing or of the wrong size (IncompleteSession, WrongSizePage)."""
-    # Completeness and sizes from metadata, when the source can tell them.
-    size_of = getattr(source, "page_size", None)
-    if size_of is None:
-        return
+    # Completeness and sizes from metadata, where the source can tell them
+    # (a page_size of None: it cannot without reading the page).
     missing, sizes = [], {}
     for ix in range(len(manifest.pages)):
         try:
-            sizes[ix] = size_of(ix)
+            size = source.page_size(ix)
         except FileNotFoundError:
             missing.append(ix)
+            continue
+        if size is not None:
+            sizes[ix] = size
     if missing:
         raise IncompleteSession(missing)
     want = manifest.page_bytes
@@ -289,6 +290,7 @@ class Bridge:
         the rest written as zeros) to *sink* as pages 0, 1, ...: what a
         page-out does with a session's pages, for blocks the caller keeps
         pinned (a live snapshot's)."""
+        sink = as_page_sink(sink)
         with self._lock:
             return self._write_pages(blocks, used, sink)
 
@@ -303,7 +305,8 @@ class Bridge:
         every call, and between calls, a fifth of a copy's time out of
         ``engines/`` at 8 pages a call.)  Elsewhere (a GPU pool gathers
         through the staging) write_blocks."""
-        if self.pool.device.type != "cpu" or not getattr(sink, "concurrent", False):
+        sink = as_page_sink(sink)
+        if self.pool.device.type != "cpu" or not sink.concurrent:
             return self.write_blocks(blocks, used, sink)
         pool, P, mode = self.pool, self.pool.block_size, torch.is_inference_mode_enabled()
 
@@ -320,11 +323,11 @@ class Bridge:
         wait(futs)
         return [f.result() for f in futs]
 
-    def _write_pages(self, blocks: list[BlockId], used: list[int], sink) -> list[Digest]:
+    def _write_pages(self, blocks: list[BlockId], used: list[int], sink: PageSink) -> list[Digest]:
         n = len(blocks)
         if not n:
             return []
-        if self.pool.device.type == "cpu" and getattr(sink, "concurrent", False):
+        if self.pool.device.type == "cpu" and sink.concurrent:
             return self._write_pages_cpu(blocks, used, sink)
         st, pool, P = self.staging, self.pool, self.pool.block_size
         size = _batch_size(n, st.max_batch)
@@ -346,7 +349,7 @@ class Bridge:
 
         # Sinks that allow it get pages from several threads; others from one
         # writer thread, in order.  Either way writing batch j overlaps fetching j+1.
-        workers = self.io_workers if getattr(sink, "concurrent", False) else 1
+        workers = self.io_workers if sink.concurrent else 1
         ex = ThreadPoolExecutor(workers, thread_name_prefix="pffs-page-out")
         st.begin()
         try:
@@ -367,7 +370,7 @@ class Bridge:
             st.synchronize()
         return digests
 
-    def _write_pages_cpu(self, blocks: list[BlockId], used: list[int], sink) -> list[Digest]:
+    def _write_pages_cpu(self, blocks: list[BlockId], used: list[int], sink: PageSink) -> list[Digest]:
         # A CPU pool has no copy engine to overlap: each I/O thread gathers its
         # own page into a staging row of its own and hands it to the sink, so
         # the gathers run on every core beside the hashing and compressing.
@@ -487,17 +490,7 @@ class Bridge:
         try:
             # A source reading the store's frames may check them itself (by the
             # name and crc32 a frame holds: pffs.codec), sparing the sha256 here.
-            checked = getattr(source, "read_page_into_checked", None)
-            into = getattr(source, "read_page_into", None)
-            if checked is not None:
-                size, got = checked(ix, row.data)
-            elif into is not None:
-                size = into(ix, row.data)
-            else:
-                data = source.read_page(ix)
-                size = len(data)
-                if size == want:
-                    row[:] = np.frombuffer(data, dtype=np.uint8)
+            size, got = source.read_page_into_checked(ix, row.data)
         except FileNotFoundError:
             raise IncompleteSession([ix]) from None
         if size != want:
@@ -505,8 +498,7 @@ class Bridge:
         if got is None:
             got = digest_of(row)
         if got != manifest.pages[ix]:
-            why = getattr(source, "why_mismatch", None)
-            why = why(ix) if why is not None else None
+            why = source.why_mismatch(ix)
             if why is not None:
                 raise DamagedPage(ix, why)
             cls, what = (SourceChanged, "changed while being paged in: ") if again else (DigestMismatch, "")

@@ -80,7 +80,7 @@ from engine_bridge.errors import DamagedPage
 from engine_bridge.sglang import mla_host
 from engine_bridge.transport.mountinfo import StoreAccess, store_access
 from engine_bridge.transport.store_blobs import decode_page, fetch_frame
-from pffs.client.access import gc_lock
+from engine_bridge.transport.store_puts import PagePuts
 from pffs.client.chainkeys import manifest_namespace
 from pffs.client.prefix_lookup import PrefixIndex, cache_blobs
 from pffs.codec import for_itemsize
@@ -367,14 +367,11 @@ class PffsHiCacheStorage(HiCacheStorage):
 
     # -- writes -------------------------------------------------------------------
 
-    def _put_page(self, src: torch.Tensor, batch: Any) -> Digest:
-        """Store the page *src* (durable when this returns where *batch* is None)."""
+    def _put_page(self, src: torch.Tensor, puts: PagePuts, durable: bool) -> Digest:
+        """Pin and store the page *src* (durable when this returns where *durable*)."""
         staging = self._staging()
         self._typed(staging).copy_(src)
-        data = staging.numpy().data
-        d = digest_of(data)
-        self.blobs.put(data, d, batch=batch, codec=self.codec)
-        return d
+        return puts.put(staging.numpy().data, codec=self.codec, durable=durable)
 
     def _set(self, keys: Sequence[str], views: Callable[[], list[torch.Tensor]]) -> list[bool]:
         """Store the pages ``views()`` gives (one a key) and keep them by *keys*."""
@@ -404,36 +401,25 @@ class PffsHiCacheStorage(HiCacheStorage):
         good = self._stored_run(found)
         if good == len(keys):
             return [True] * len(keys)
-        gc = gc_lock(self.access.root) if self.access.bucket is None else None
-        pins = gc.pin() if gc is not None else None
         try:
-            pages = views()
-            batch = self.blobs.batch()
-            hold = gc.hold_shared() if gc is not None else None
-            try:
+            # Pinned, the gc lock held shared while they are put, let go before the
+            # keys are registered through the mount (engine_bridge.transport.store_puts).
+            with PagePuts(self.access, self.blobs) as puts:
+                pages = views()
                 # (Healed pages are durable at once: the mount knows their blob rows
                 # already, so its adoption of the new ones would not sync them.)
-                healed = list(self._threads.map(lambda v: self._put_page(v, None), pages[good:held]))
+                healed = list(self._threads.map(lambda v: self._put_page(v, puts, True), pages[good:held]))
                 if healed:
                     log.info("pffs HiCache storage: %d damaged or missing pages stored again", len(healed))
-                digests = list(self._threads.map(lambda v: self._put_page(v, batch), pages[held:]))
-                if pins is not None:
-                    pins.add(healed + digests)
-            finally:
-                if hold is not None:
-                    hold.release()
-            if self.access.bucket is not None:
-                batch.sync()        # (every upload in the bucket before the mount looks)
-            # (A page computed again to other bytes is kept by its key too.)
-            changed = [(k, d) for k, d, was in zip(keys[good:held], healed, found[good:held]) if d != was]
-            cache_blobs(self.mount, self.space, changed + list(zip(keys[held:], digests)))
+                digests = list(self._threads.map(lambda v: self._put_page(v, puts, False), pages[held:]))
+                puts.stored()       # (a bucket: every upload in it before the mount looks)
+                # (A page computed again to other bytes is kept by its key too.)
+                changed = [(k, d) for k, d, was in zip(keys[good:held], healed, found[good:held]) if d != was]
+                cache_blobs(self.mount, self.space, changed + list(zip(keys[held:], digests)))
             return [True] * len(keys)
         except (PffsError, OSError, ValueError) as e:
             log.warning("pffs HiCache storage: set of %d pages failed: %s", len(keys), e)
             return [False] * len(keys)
-        finally:
-            if pins is not None:
-                pins.close()
 
     def _stored_run(self, found: list[Digest]) -> int:
         """How many of the blobs *found* by key, from the first, the store holds

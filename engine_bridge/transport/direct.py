@@ -45,9 +45,9 @@ from engine_bridge.errors import DamagedPage, PageOutError
 from engine_bridge.transport.folders import DirSource, new_session_place, rename_noreplace
 from engine_bridge.transport.mountinfo import StoreAccess, getxattr
 from engine_bridge.transport.save_names import BadName, save_place
+from engine_bridge.transport.session_io import SinkBase, SourceBase
 from engine_bridge.transport.store_blobs import decode_page, fetch_frame
-from pffs import codec as codec_mod
-from pffs.client.access import PUT_FIRST_MAX, gc_lock
+from engine_bridge.transport.store_puts import PagePuts
 from pffs.client.fork import write_new
 from pffs.errors import IntegrityError, MissingBlob, PffsError
 from pffs.manifest import Manifest, ManifestError, page_name, parse
@@ -69,13 +69,14 @@ def _verdict(folder: Path) -> dict | None:
     return v if isinstance(v, dict) else None
 
 
-class DirectSink:
+class DirectSink(SinkBase):
     """Writes a session at *dest* in a pffs mount, page bytes straight into its store.
 
-    A local store: the gc lock is held shared from the first put until the
+    The pages are put with :class:`~engine_bridge.transport.store_puts.PagePuts`:
+    a local store's gc lock is held shared from the first put until the
     pages are all put, and every page is pinned until the session is named,
-    so no gc sweeps a page in between (see pffs.store.storedir.GcLock).  An S3
-    store: uploads run on the store's threads and are all in the bucket
+    so no gc sweeps a page in between (see pffs.store.storedir.GcLock); an
+    S3 store's uploads run on the store's threads and are all in the bucket
     before manifest.json is written (the mount's adoption looks them up).
     """
 
@@ -89,45 +90,37 @@ class DirectSink:
             raise BadName(f"{dest}: {e}") from None
         self.dest, self.tmp = new_session_place(dest)
         self.access = access
-        self.blobs = access.blobs()
-        # Puts with a batch skip their own fsyncs (see commit()), or (S3) run
-        # on the upload threads until commit() waits for them.
-        self.batch: Any = self.blobs.batch()
-        self.pins: Any = None
-        self._hold: Any = None
-        gc = gc_lock(access.root) if access.bucket is None else None
-        if gc is not None:
-            self.pins = gc.pin()
+        os.mkdir(self.tmp)
         try:
-            os.mkdir(self.tmp)
             os.mkdir(self.tmp / PAGES_DIR)
-            if gc is not None:
-                self._hold = gc.hold_shared()
+            # (The gc lock is taken after the mkdirs through the mount, as before.)
+            self.puts = PagePuts(access)
         except BaseException:
-            if self.pins is not None:
-                self.pins.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
+        self.blobs: Any = self.puts.blobs
         self.digests: dict[int, Digest] = {}
         self.manifest: bytes | None = None
         self._done = False
 
+    @property
+    def batch(self) -> Any:
+        """The batch the pages are put in (a bucket: its uploads, waited for at commit)."""
+        return self.puts.batch
+
+    @property
+    def pins(self) -> Any:
+        """The pin file (a local store; None for a bucket)."""
+        return self.puts.pins
+
+    @property
+    def _hold(self) -> Any:
+        """The gc lock held shared until the pages are stored (a local store)."""
+        return self.puts.hold
+
     def write_page(self, ix: int, data: memoryview) -> Digest:
-        d = digest_of(data)
-        if self.pins is not None:
-            self.pins.add((d,))
         try:
-            bucket = self.access.bucket
-            if bucket is None or memoryview(data).nbytes <= PUT_FIRST_MAX:
-                # (A small page: the bucket's conditional PUT says whether it has it.)
-                self.blobs.put(data, d, batch=self.batch)
-            else:
-                # Whether the bucket holds the page already (a HEAD) is asked on the
-                # store's threads while this one compresses it.
-                head = bucket.pool.submit(bucket.stat, d)
-                frame = codec_mod.encode_parts(data, bucket.codec)
-                if head.result() is None:
-                    bucket.put(data, d, batch=self.batch, frame=frame)
+            d = self.puts.put(data)
         except PffsError as e:  # (the bucket: unreachable, refusing)
             raise PageOutError(f"page {page_name(ix)}: {e}") from None
         self.digests[ix] = d
@@ -140,24 +133,20 @@ class DirectSink:
         manifest = self.manifest
         if manifest is None:
             raise PageOutError("commit before write_manifest")
-        if self.access.bucket is not None:
-            try:
-                self.batch.sync()  # every upload in the bucket before the mount looks
-            except PffsError as e:
-                raise PageOutError(f"pages not stored: {e}") from None
-        # The daemon's commit of manifest.json takes the lock too, behind a
-        # waiting gc: from here on the pins alone keep the pages.  It adopts
+        # Every upload in the bucket before the mount looks; then the gc lock
+        # goes: the daemon's commit of manifest.json takes it too, behind a
+        # waiting gc, so from here on the pins alone keep the pages.  It adopts
         # the blobs into its own group of fsyncs, done before the namespace
         # rows naming them are made durable (as for the blobs of its closes).
-        if self._hold is not None:
-            self._hold.release()
-            self._hold = None
+        try:
+            self.puts.stored()
+        except PffsError as e:
+            raise PageOutError(f"pages not stored: {e}") from None
         write_new(self.tmp / MANIFEST_NAME, manifest)
         self._fill_missing(manifest)
         rename_noreplace(self.tmp, self.dest)
         self._done = True
-        if self.pins is not None:
-            self.pins.close()
+        self.puts.close()
 
     def _fill_missing(self, manifest: bytes) -> None:
         """Pages the daemon did not make appear (it refused a frame): write them through the mount."""
@@ -183,21 +172,12 @@ class DirectSink:
 
     def abort(self) -> None:
         if not self._done:
-            if self._hold is not None:
-                self._hold.release()
-                self._hold = None
-            if self.access.bucket is not None:
-                try:
-                    self.batch.sync()  # no upload outlives the page-out (what landed, gc takes)
-                except PffsError:
-                    pass
-            if self.pins is not None:
-                self.pins.close()
+            self.puts.close()  # (the lock let go, a bucket's uploads waited for, the pins closed)
             shutil.rmtree(self.tmp, ignore_errors=True)
             self._done = True
 
 
-class DirectSource:
+class DirectSource(SourceBase):
     """Reads a session in a pffs mount, page bytes straight from its store.
 
     Pages the daemon does not vouch for (missing, changed, not one blob) are

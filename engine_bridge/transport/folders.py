@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from engine_bridge.transport.session_io import SinkBase, SourceBase
 from pffs.manifest import page_name
 from pffs.names import DIGEST_XATTR, MANIFEST_NAME, PAGES_DIR
 from pffs.types import Digest, digest_of, is_digest
@@ -76,7 +77,7 @@ def new_session_place(dest: str | os.PathLike) -> tuple[Path, Path]:
     return dest, dest.parent / f".{name}.tmp-{secrets.token_hex(6)}"
 
 
-class DirSink:
+class DirSink(SinkBase):
     """Writes a session folder at *dest* (any directory, a pffs mount included).
 
     The destination must not exist; its parent must.  Nothing is visible at
@@ -112,7 +113,7 @@ class DirSink:
             self._done = True
 
 
-class DirSource:
+class DirSource(SourceBase):
     """Reads a session folder (plain or on a pffs mount)."""
 
     def __init__(self, path: str | os.PathLike):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import errno
 
+from engine_bridge.transport.session_io import SinkBase, SourceBase
 from pffs.manifest import page_name
 from pffs.names import MANIFEST_NAME
 from pffs.types import Digest, digest_of
 
 
-class MemorySession:
+class MemorySession(SinkBase, SourceBase):
     """A session held in memory: a sink that, once committed, is also a source.
 
     It knows each page's digest from when it was written, and its bytes

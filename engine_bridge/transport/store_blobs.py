@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from engine_bridge.errors import DamagedPage
 from engine_bridge.transport.mountinfo import StoreAccess
+from engine_bridge.transport.session_io import SinkBase, SourceBase
 from pffs import codec as codec_mod
 from pffs.client.access import Blobs, LocalBlobStore, S3BlobStore
 from pffs.errors import CodecError, MissingBlob, PffsError
@@ -52,7 +53,7 @@ def decode_page(blobs: Blobs, bucket: "S3BlobStore | None", ix: int, d: Digest, 
         raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
 
 
-class BlobSink:
+class BlobSink(SinkBase):
     """Pages put straight into a local pffs store as blobs, no session made:
     the pages of a live snapshot stored for a copy out of ``engines/``
     (the agent's ``store`` request), which the daemon then adopts and names.
@@ -80,7 +81,7 @@ class PagesAhead(Protocol):
     def take_into(self, digest: str, out: memoryview) -> int | None: ...
 
 
-class BlobSource:
+class BlobSource(SourceBase):
     """A session whose every page is the blob its manifest names, read from a
     mount's store by those names (the pages of a session copied into
     ``engines/E/`` whole from the mount: pffs.live's ``load_blobs``).

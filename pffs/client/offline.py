@@ -138,7 +138,13 @@ class StoreSessionSink:
 
 
 class StoreSessionSource:
-    """Read a session at PATH of an unmounted store (verified blob reads)."""
+    """Read a session at PATH of an unmounted store (verified blob reads).
+
+    It implements the engine bridge's source protocol whole, its optional
+    members included (pffs does not import the bridge, so they are written
+    out here, as engine_bridge.transport.session_io.SourceBase has them):
+    pages are read with ``read_page`` and hashed by the bridge.
+    """
 
     def __init__(self, store: str | os.PathLike | StoreDir | None, path: str):
         self.store = store if isinstance(store, StoreDir) else StoreDir(store)
@@ -173,6 +179,19 @@ class StoreSessionSource:
 
     def page_size(self, ix: int) -> int:
         return ns.get_inode(self.conn, self._file(self.pages_dir, mf.page_name(ix))).size
+
+    def read_page_into(self, ix: int, out: memoryview) -> int:
+        data = self.read_page(ix)
+        out = memoryview(out).cast("B")
+        if len(data) == out.nbytes:
+            out[:] = data
+        return len(data)
+
+    def read_page_into_checked(self, ix: int, out: memoryview) -> tuple[int, Digest | None]:
+        return self.read_page_into(ix, out), None
+
+    def why_mismatch(self, ix: int) -> str | None:
+        return None
 
     def close(self) -> None:
         self.conn.close()
