@@ -143,3 +143,35 @@ def test_an_unreachable_bucket_makes_lookups_miss_and_is_not_asked_again_at_once
     finally:
         shared_index.lookups().quiet_until = 0.0
         weed.start()
+
+
+def test_bucket_gc_keeps_pages_another_mount_adopted_by_tokens(weed, s3_mounts, bf16_pages):
+    """Mount B adopts A's pages by their tokens; A's session goes; bucket gc keeps
+    them (B's registration lists its key-only cache) and B still reads them by key."""
+    import subprocess
+    import time
+
+    from mountutil import wait_for
+    from t3_s3_mount import blob_objects, registration_of
+
+    from pffs.client.access import open_bucket
+    bucket = weed.make_bucket()
+    url = f"s3://{bucket}/kv"
+    a, b = s3_mounts("a", url, ["lease=4s"]), s3_mounts("b", url, ["lease=4s"])
+    pages = varied_pages(bf16_pages, 3, salt=707)
+    man, space, keys = write_session(a.path / "s", pages, list(range(60, 60 + 3 * T)))
+    published(a)
+    assert longest_prefix(b.path, space, keys) == man.pages
+    subprocess.run(["rm", "-r", str(a.path / "s")], check=True)
+    wait_for(lambda: not registration_of(weed, bucket, "kv", a) & set(man.pages), timeout=20,
+             what="A's registration to drop the session")
+    wait_for(lambda: set(man.pages) <= registration_of(weed, bucket, "kv", b), timeout=20,
+             what="B's registration to list the adopted pages")
+    for _ in range(2):      # set aside, then delete once the (zero) grace period passed
+        pffs("gc", "--store", url, "--grace", "0")
+        time.sleep(1.1)     # (object times have one-second resolution)
+    assert set(man.pages) <= set(blob_objects(weed, bucket, "kv"))
+    with PrefixIndex(b.path) as index:
+        assert index.longest_prefix(space, keys) == man.pages
+    info = json.loads((b.path / ".pffs" / "store.json").read_bytes())
+    assert [open_bucket(info).get(d) for d in man.pages] == pages
