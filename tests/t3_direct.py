@@ -455,3 +455,21 @@ def test_pages_decoded_ahead_are_bounded_named_and_dropped(mnt):
     finally:
         w.stop()
     mnt.skip_check = True  # (page 5's blob is damaged on purpose)
+
+
+def test_fp8_pages_paged_out_directly_are_stored_with_zstd_not_byte_planes(mnt):
+    """The direct page-out chooses the codec by the pool's values (SinkBase.expect_values):
+    1-byte fp8 values have no byte planes (benchmarks/codec.py --fp8: the same ratio as
+    planes-zstd, faster), 2-byte bf16 pages keep the store's planes-zstd."""
+    from pffs.manifest import parse
+    blobs = StoreDir(mnt.store).blobs
+    for dtype, want in ((torch.float8_e4m3fn, codec.CODEC_ZSTD), (torch.bfloat16, codec.CODEC_PLANES_ZSTD)):
+        pool = KVPool.allocate(num_blocks=4, dtype=dtype, **GEOM)
+        gen = torch.Generator().manual_seed(5)
+        for layer in pool.layers:
+            layer.copy_(torch.randn(layer.shape, generator=gen).to(dtype))
+        name = f"s-{want}"
+        m = bridge_of(pool).page_out([one_seq(pool)], mnt / name)
+        assert {blobs.header(d).codec.id for d in m.pages} == {want}, dtype
+        assert parse((mnt / name / "manifest.json").read_bytes()).pages == m.pages
+        assert page_sums(mnt / name) == m.pages

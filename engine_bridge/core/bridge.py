@@ -275,6 +275,7 @@ class Bridge:
         """
         manifest, blocks, used = self.plan(seqs, include_token_ids=include_token_ids, extra=extra)
         sink = as_sink(dest)
+        sink.expect_values(self.pool.itemsize)
         try:
             with self._lock:
                 manifest.pages = self._write_pages(blocks, used, sink)

@@ -48,6 +48,7 @@ from engine_bridge.transport.save_names import BadName, save_place
 from engine_bridge.transport.session_io import SinkBase, SourceBase
 from engine_bridge.transport.store_blobs import decode_page, fetch_frame
 from engine_bridge.transport.store_puts import PagePuts
+from pffs import codec as codec_mod
 from pffs.client.fork import write_new
 from pffs.errors import IntegrityError, MissingBlob, PffsError
 from pffs.manifest import Manifest, ManifestError, page_name, parse
@@ -100,6 +101,7 @@ class DirectSink(SinkBase):
             raise
         self.blobs: Any = self.puts.blobs
         self.digests: dict[int, Digest] = {}
+        self.codec: codec_mod.Codec | None = None   # (the store's own until expect_values)
         self.manifest: bytes | None = None
         self._done = False
 
@@ -118,9 +120,13 @@ class DirectSink(SinkBase):
         """The gc lock held shared until the pages are stored (a local store)."""
         return self.puts.hold
 
+    def expect_values(self, itemsize: int) -> None:
+        # (fp8 pages: zstd, not byte planes of 16-bit values; benchmarks/codec.py --fp8)
+        self.codec = codec_mod.for_itemsize(self.puts.blobs.codec, itemsize)
+
     def write_page(self, ix: int, data: memoryview) -> Digest:
         try:
-            d = self.puts.put(data)
+            d = self.puts.put(data, codec=self.codec)
         except PffsError as e:  # (the bucket: unreachable, refusing)
             raise PageOutError(f"page {page_name(ix)}: {e}") from None
         self.digests[ix] = d

@@ -33,6 +33,10 @@ class SessionSink(Protocol):
     #: True: write_page may be called from several threads at once, pages in any order.
     concurrent: bool
 
+    def expect_values(self, itemsize: int) -> None:
+        """Each page's values are *itemsize* bytes (fp8 pages: 1): a sink that
+        encodes pages may choose its codec by it (pffs.codec.for_itemsize)."""
+
     def write_page(self, ix: int, data: memoryview) -> Digest: ...
 
     def write_manifest(self, data: bytes) -> None: ...
@@ -117,6 +121,9 @@ class SinkBase:
     """A :class:`SessionSink`'s defaults: pages from one thread, in order."""
 
     concurrent: bool = False
+
+    def expect_values(self, itemsize: int) -> None:
+        """(the store's own codec for any values)"""
 
 
 class SourceBase:

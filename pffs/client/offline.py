@@ -51,6 +51,9 @@ class StoreSessionSink:
     # write_page may be called from several threads at once (puts are thread-safe).
     concurrent = True
 
+    def expect_values(self, itemsize: int) -> None:
+        """(the store's own codec for any values)"""
+
     def __init__(self, store: str | os.PathLike | StoreDir | None, path: str, *,
                  uid: int | None = None, gid: int | None = None, codec: str | None = None):
         self.store = store if isinstance(store, StoreDir) else StoreDir(store, codec)
