@@ -253,3 +253,27 @@ def test_a_key_only_page_is_a_gc_root_while_its_row_stays(root):
     collect(store, grace=0)
     assert not store.blobs.path(put.digest).exists() and find(root, ["a" * 64]) == []
     assert store.blobs.path(digest(page(0))).exists()      # the session's page stays
+
+
+def test_a_counted_key_only_cache_costs_no_pass_over_its_rows(root):
+    """cache_pages_counted given the cache's bytes reads only the rows it is given (no
+    SUM over the table: at millions of key-only rows that pass cost 100 ms a call), and
+    its count stays the table's own through replaced keys, repeats and evictions."""
+    m = write(root, "s", [page(0), page(1)], list(range(2 * P)))
+    keys = [f"{i:064x}" for i in range(1, 40)]
+    conn = db(root)
+    said: list[str] = []
+    try:
+        with ns.transaction(conn):
+            gone, total = pi.cache_pages_counted(conn, SPACE, [(keys[0], m.pages[0], 64)], 1, 10_000)
+            conn.set_trace_callback(said.append)
+            for t in range(2, 30):
+                rows = [(keys[t], m.pages[1], 32 + t), (keys[t - 1], m.pages[0], 48), (keys[t], m.pages[0], 40)]
+                got, total = pi.cache_pages_counted(conn, SPACE, rows, t, 1_000, total)
+                gone += got
+            conn.set_trace_callback(None)
+            held = conn.execute("SELECT COALESCE(SUM(size), 0), COUNT(*) FROM cached_keys").fetchone()
+    finally:
+        conn.close()
+    assert not [s for s in said if "SUM(" in s.upper()], said[:5]
+    assert gone > 0 and total == held[0] <= 1_000

@@ -12,13 +12,13 @@ agree on the first.  Publishing runs on threads of its own and never delays a
 request; a key already published by this mount is not sent again.
 
 A lookup whose local run stops short asks the bucket for the keys after it
-(:func:`remote_run`): GETs in parallel, in order, stopping at the first key the
-bucket lacks, each found digest then checked to be in ``blobs/`` (one HEAD, or
-the store's recent answer).  An entry whose blob is gone is a miss, and is
-removed.  The whole remote part is bounded by a deadline (``DEADLINE``, 50 ms):
-what has not answered by then is a miss; a bucket that answers nothing in time
-is not asked again for ``QUIET`` seconds, so an engine's requests never wait on
-a dead bucket more than once a second.  Misses are remembered for
+(:func:`remote_run`): GETs of every key at once, the run ending at the first key
+the bucket lacks; the pages found are adopted through the mount, which checks
+their blobs are in ``blobs/`` (or here, :func:`stored`, where the mount cannot
+adopt them).  An entry whose blob is gone is a miss, and is removed.  A bucket
+that gives no answer within ``DEADLINE`` (50 ms) is a miss and is not asked again
+for ``QUIET`` seconds, so an engine's requests wait on a dead bucket at most
+50 ms once a second; one that answers has ``LIMIT`` (2 s) for the rest.  Misses are remembered for
 ``NEGATIVE_TTL`` seconds (a key asked for again and again by requests that
 share a prefix costs one GET a window).
 """
@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from pffs.errors import PffsError
 from pffs.store.s3 import S3BlobStore
@@ -39,14 +39,16 @@ from pffs.types import Digest, is_digest
 log = logging.getLogger(__name__)
 
 INDEX = "index/"
-#: How long the bucket's part of one lookup may take, in seconds.
+#: How long a lookup waits for the bucket's first answer, in seconds.
 DEADLINE = 0.05
+#: How long the bucket's part of one lookup may take once it answers.
+LIMIT = 2.0
 #: After a lookup found the bucket silent, how long lookups do not ask it.
 QUIET = 1.0
 #: How long a key the bucket did not hold is not asked for again.
 NEGATIVE_TTL = 2.0
-#: GETs in flight at once for one lookup.
-LOOKUP_THREADS = 16
+#: GETs in flight at once (for every lookup of the process).
+LOOKUP_THREADS = 32
 #: Keys this mount remembers having published (not sent again).
 PUBLISHED_MAX = 1 << 20
 
@@ -60,6 +62,7 @@ class Publisher:
 
     def __init__(self, blobs: S3BlobStore, threads: int = 4):
         self.blobs = blobs
+        self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pffs-index-publish")
         self._sent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
@@ -83,9 +86,12 @@ class Publisher:
             return
         with self._lock:
             self.counts["pending"] += len(todo)
-            fut = self._pool.submit(self._put, space, todo)
-            self._pending.add(fut)
-        fut.add_done_callback(self._done)
+            # (a batch over every thread: a key is a request or two of its own)
+            step = max(1, -(-len(todo) // self.threads))
+            futs = [self._pool.submit(self._put, space, todo[i:i + step]) for i in range(0, len(todo), step)]
+            self._pending.update(futs)
+        for fut in futs:
+            fut.add_done_callback(self._done)
 
     def _done(self, fut: Future) -> None:
         with self._lock:
@@ -167,60 +173,64 @@ def _get(blobs: S3BlobStore, space: str, key: str) -> Digest | None:
     return Digest(text) if is_digest(text) else None
 
 
-def remote_run(blobs: S3BlobStore, space: str, keys: Sequence[str], *,
-               deadline: float = DEADLINE) -> list[tuple[str, Digest]]:
-    """The leading run of *keys* that the bucket's shared index holds, each a page the
-    bucket stores: [(key, digest)], at most *deadline* seconds spent (what has not
-    answered by then is a miss).  Never raises for the bucket's faults."""
+def remote_run(blobs: S3BlobStore, space: str, keys: Sequence[str], *, deadline: float = DEADLINE,
+               limit: float = LIMIT, check_blobs: bool = True) -> list[tuple[str, Digest]]:
+    """The leading run of *keys* that the bucket's shared index holds: [(key, digest)].
+
+    Every key is asked at once (GETs on :data:`LOOKUP_THREADS` threads).  A bucket
+    that gives no answer within *deadline* seconds is a miss (and not asked again
+    for :data:`QUIET` seconds); one that answers has *limit* seconds for the rest,
+    what has not answered by then ending the run.  *check_blobs*: each digest found
+    is also checked to be in ``blobs/`` (:func:`stored`); a caller that adopts the
+    pages through the mount, which checks them itself, skips it.  Never raises for
+    the bucket's faults."""
     now = time.monotonic()
     if not keys or now < _LOOKUPS.quiet_until:
         return []
-    end = now + deadline
     url = blobs.url
+    ask = []
+    for key in keys:
+        if _LOOKUPS.missed(url, space, key, now):
+            break
+        ask.append(key)
+    if not ask:
+        return []
+    futs = [_LOOKUPS.pool.submit(_get, blobs, space, k) for k in ask]
+    first, _ = wait(futs, timeout=deadline, return_when=FIRST_COMPLETED)
+    if not first or all(f.exception() is not None for f in first):
+        for f in futs:
+            f.cancel()
+        _LOOKUPS.quiet_until = time.monotonic() + QUIET
+        log.info("shared index: %s gave no answer in %.0f ms: lookups miss there for %.0f s",
+                 url, deadline * 1000, QUIET)
+        return []
+    done, _ = wait(futs, timeout=max(0.0, now + limit - time.monotonic()))
     out: list[tuple[str, Digest]] = []
-    i = 0
-    while i < len(keys):
-        wave = []
-        for key in keys[i:i + LOOKUP_THREADS]:
-            if _LOOKUPS.missed(url, space, key, now):
-                break
-            wave.append(key)
-        if not wave:
+    for k, f in zip(ask, futs):
+        if f not in done or f.exception() is not None:
             break
-        futs = [_LOOKUPS.pool.submit(_get, blobs, space, k) for k in wave]
-        done, late = wait(futs, timeout=max(0.0, end - time.monotonic()), return_when=FIRST_EXCEPTION)
-        found: list[tuple[str, Digest]] = []
-        for k, f in zip(wave, futs):
-            if f not in done or f.exception() is not None:
-                if f in late or isinstance(f.exception(), PffsError):
-                    _LOOKUPS.quiet_until = time.monotonic() + QUIET
-                    log.info("shared index: %s did not answer in %.0f ms: lookups miss there for %.0f s",
-                             url, deadline * 1000, QUIET)
-                break
-            d = f.result()
-            if d is None:
-                _LOOKUPS.miss(url, space, k, now)
-                break
-            found.append((k, d))
-        found = _stored(blobs, space, found, end)
-        out += found
-        if len(found) < len(wave):
+        d = f.result()
+        if d is None:
+            _LOOKUPS.miss(url, space, k, now)
             break
-        i += len(wave)
-    return out
+        out.append((k, d))
+    for f in futs:
+        f.cancel()      # (GETs past a miss not yet sent)
+    return stored(blobs, space, out, now + limit) if check_blobs else out
 
 
-def _stored(blobs: S3BlobStore, space: str, found: list[tuple[str, Digest]],
-            end: float) -> list[tuple[str, Digest]]:
-    """The leading run of *found* whose blobs the bucket stores; an entry whose blob is
-    gone is removed from the shared index."""
+def stored(blobs: S3BlobStore, space: str, found: list[tuple[str, Digest]],
+           end: float | None = None) -> list[tuple[str, Digest]]:
+    """The leading run of *found* whose blobs the bucket stores (HEADs in parallel,
+    until monotonic time *end*); an entry whose blob is gone is removed from the
+    shared index."""
     if not found:
         return []
     fut = _LOOKUPS.pool.submit(blobs.lookup_many, [d for _, d in found])
     with _LOOKUPS.lock:
-        _LOOKUPS.requests += 1
+        _LOOKUPS.requests += len(found)
     try:
-        rows = fut.result(timeout=max(0.0, end - time.monotonic()))
+        rows = fut.result(timeout=None if end is None else max(0.0, end - time.monotonic()))
     except Exception:       # (late or failed: a miss, as any bucket fault here)
         return []
     out = []

@@ -101,6 +101,7 @@ class PrefixIndex:
                         from pffs.client.access import NoDirectAccess, open_bucket
                         try:
                             _BUCKETS[raw] = open_bucket(info)
+                            _ = _BUCKETS[raw].client      # (made now: not within a lookup's deadline)
                         except NoDirectAccess as e:
                             log.info("%s: the shared index is not asked: %s", self.mountpoint, e)
                             _BUCKETS[raw] = False
@@ -112,13 +113,21 @@ class PrefixIndex:
         bucket = self.bucket()
         if bucket is None:
             return []
-        from pffs.bucket.shared_index import remote_run
-        pairs = remote_run(bucket, space, keys)
+        from pffs.bucket.shared_index import remote_run, stored
+        # (The mount checks the blobs are in the bucket as it adopts them.)
+        pairs = remote_run(bucket, space, keys, check_blobs=False)
         if pairs:
             try:
                 cache_blobs(self.mountpoint, space, [(k, str(d)) for k, d in pairs])
-            except PffsError as e:     # (read-only, or the caller may not write the root)
-                log.info("shared index: %d pages found in the bucket not kept here: %s", len(pairs), e)
+            except PffsError as e:
+                # A blob gone (the batch refused), or a mount this caller may not
+                # write: checked here, and kept there where it can be.
+                pairs = stored(bucket, space, pairs)
+                try:
+                    cache_blobs(self.mountpoint, space, [(k, str(d)) for k, d in pairs])
+                except PffsError:
+                    log.info("shared index: %d pages found in the bucket not kept here: %s",
+                             len(pairs), e)
         return [d for _, d in pairs]
 
 

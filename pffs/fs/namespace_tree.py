@@ -18,7 +18,7 @@ import json
 import logging
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
@@ -82,6 +82,21 @@ def xattr_ns_ok(name: bytes) -> None:
         raise FUSEError(errno.ERANGE)
 
 
+#: Calls of the key-only cache between two sums of its bytes (a count that a rolled-back
+#: transaction left wrong is right again after at most these).
+RECOUNT_EVERY = 4096
+
+
+def _cache_counted(conn, space: str, rows, t: int, limit: int, held: list) -> int:
+    """(In the namespace's writer thread, one at a time) key-only cache rows recorded and
+    evicted past *limit*, the cache's bytes kept in *held*."""
+    held[1] += 1
+    if held[1] >= RECOUNT_EVERY:
+        held[:] = [None, 0]
+    gone, held[0] = prefix_index.cache_pages_counted(conn, space, rows, t, limit, held[0])
+    return gone
+
+
 @dataclass(eq=False)
 class NamespaceTree(Tree):
     db: Database
@@ -95,6 +110,9 @@ class NamespaceTree(Tree):
     store_json: bytes = b"{}\n"
     #: bytes the key-only prefix cache may hold (-o prefix_cache_size=)
     prefix_cache_size: int = 4 << 30
+    #: [bytes the key-only cache holds (None: not counted yet), calls since counted]:
+    #: kept by the writer thread (_cache_counted), so a call costs no pass over its rows
+    _cached_bytes: list = field(default_factory=lambda: [None, 0])
 
     @property
     def reader(self) -> BlobReader:
@@ -430,8 +448,8 @@ class NamespaceTree(Tree):
 
     async def _cache_pages(self, space: str, rows: list[tuple[str, str, int]]) -> None:
         """Key-only cache rows (key, blob, size) recorded, then its LRU eviction."""
-        gone = await self.db.write(prefix_index.cache_pages, space, rows, ns.now_ns(),
-                                   self.prefix_cache_size)
+        gone = await self.db.write(_cache_counted, space, rows, ns.now_ns(), self.prefix_cache_size,
+                                   self._cached_bytes)
         if self.content.publisher is not None:
             self.content.publisher.publish(space, [(k, d) for k, d, _ in rows])
         if gone:

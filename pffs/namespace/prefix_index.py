@@ -138,25 +138,49 @@ def cache_pages(conn: sqlite3.Connection, space: str, rows: Iterable[tuple[str, 
     """Keep each blob of *rows* (key, digest, size) under its key in the key-only cache,
     used at *t*; then evict least recently used rows past *limit* bytes.  Returns how
     many went."""
+    return cache_pages_counted(conn, space, rows, t, limit)[0]
+
+
+def cache_pages_counted(conn: sqlite3.Connection, space: str, rows: Iterable[tuple[str, str, int]],
+                        t: int, limit: int, total: int | None = None) -> tuple[int, int]:
+    """:func:`cache_pages` for a caller that keeps count of the cache's bytes: *total*
+    is what it held before (None: summed here, one pass over every row), and the
+    answer is (rows evicted, bytes it holds after).  With *total* the work is the
+    rows given and those evicted, whatever the cache's size."""
     sid = space_id(conn, space)
+    new = list({k: (k, d, n) for k, d, n in rows}.values())      # (a key twice: the last)
+    if total is not None:
+        for k, _, _ in new:         # (rows replaced give their bytes back)
+            old = conn.execute("SELECT size FROM cached_keys WHERE space=? AND key=?", (sid, k)).fetchone()
+            total -= old[0] if old is not None else 0
     conn.executemany("INSERT OR REPLACE INTO cached_keys (space, key, digest, size, used_ns)"
-                     " VALUES (?,?,?,?,?)", [(sid, k, d, n, t) for k, d, n in rows])
-    return evict(conn, limit)
+                     " VALUES (?,?,?,?,?)", [(sid, k, d, n, t) for k, d, n in new])
+    if total is None:
+        total = conn.execute("SELECT COALESCE(SUM(size), 0) FROM cached_keys").fetchone()[0]
+    else:
+        total += sum(n for _, _, n in new)
+    return evict_counted(conn, limit, total)
 
 
 def evict(conn: sqlite3.Connection, limit: int) -> int:
     """Drop the least recently used key-only rows until they hold at most *limit* bytes."""
     total = conn.execute("SELECT COALESCE(SUM(size), 0) FROM cached_keys").fetchone()[0]
+    return evict_counted(conn, limit, total)[0]
+
+
+def evict_counted(conn: sqlite3.Connection, limit: int, total: int) -> tuple[int, int]:
+    """:func:`evict` of a cache holding *total* bytes: (rows evicted, bytes held after)."""
     gone = 0
     while total > limit:
         row = conn.execute("SELECT space, key, size FROM cached_keys ORDER BY used_ns, space, key"
                            " LIMIT 1").fetchone()
         if row is None:
+            total = 0
             break
         conn.execute("DELETE FROM cached_keys WHERE space=? AND key=?", row[:2])
         total -= row[2]
         gone += 1
-    return gone
+    return gone, total
 
 
 def touch(conn: sqlite3.Connection, space: str, keys: Iterable[str], t: int) -> int:

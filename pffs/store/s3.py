@@ -542,8 +542,8 @@ class S3BlobStore(S3Requests):
         from botocore.exceptions import BotoCoreError, ClientError
         full = self.prefix + key
         kw = dict(Bucket=self.bucket, Key=full, Body=body, Metadata=metadata or {})
-        if if_absent:
-            if self._head(full) is not None:
+        if if_absent:   # (a HEAD first only where the server ignores conditional PUTs)
+            if not self._conditional_put and self._head(full) is not None:
                 return False
             if self._conditional_put:
                 kw["IfNoneMatch"] = "*"
