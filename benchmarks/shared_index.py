@@ -223,7 +223,7 @@ class deadline:
         from pffs.bucket import shared_index
         self.was = dict(shared_index.remote_run.__kwdefaults__)
         if self.secs is not None:
-            shared_index.remote_run.__kwdefaults__ = {"deadline": self.secs}
+            shared_index.remote_run.__kwdefaults__ = {**self.was, "deadline": self.secs, "limit": self.secs}
 
     def __exit__(self, *exc):
         from pffs.bucket import shared_index
@@ -395,13 +395,14 @@ def part_index(tmp: Path, want: int, budget: float) -> dict:
     n = 0
     build_rates = []
     last_cache = None
+    total = 0       # (the key-only cache's bytes, counted as the mount's writer thread counts them)
     while n < want and time.perf_counter() - t0 < budget:
         m = min(chunk, want - n)
         t = time.perf_counter()
         rows = [(key_of(i), digest_of_i(i), 2 << 20) for i in range(n, n + m)]
         conn.execute("BEGIN IMMEDIATE")
         insert_blob_rows(conn, [BlobRow(d, s, s // 2, "bp-zstd1") for _, d, s in rows])
-        pix.cache_pages(conn, space, rows, schema.now_ns(), 1 << 62)
+        _, total = pix.cache_pages_counted(conn, space, rows, schema.now_ns(), 1 << 62, total)
         conn.execute("COMMIT")
         n += m
         last_cache = time.perf_counter() - t
@@ -412,7 +413,7 @@ def part_index(tmp: Path, want: int, budget: float) -> dict:
     conn.execute("BEGIN IMMEDIATE")
     insert_blob_rows(conn, [BlobRow(d, s, s // 2, "bp-zstd1") for _, d, s in rows])
     t = time.perf_counter()
-    pix.cache_pages(conn, space, rows, schema.now_ns(), 1 << 62)
+    pix.cache_pages_counted(conn, space, rows, schema.now_ns(), 1 << 62, total)
     put128 = time.perf_counter() - t
     conn.execute("COMMIT")
     n += BATCH

@@ -45,7 +45,7 @@ Extra config: ``root`` (a pffs mount, required), ``config_sha256`` and
 ``weights_sha256`` (the model's identity when SGLang's model path is not a
 local Hugging Face folder; without a weights fingerprint the backend
 refuses to start), ``io_threads`` (pages encoded, decoded and hashed at once; default
-up to 4), ``kv_scales`` (an fp8 cache's scales, ``{"k": [one per layer], "v": [...]}``:
+up to 4; 8 or twice the cores for a bucket), ``kv_scales`` (an fp8 cache's scales, ``{"k": [one per layer], "v": [...]}``:
 SGLang does not show a storage backend its attention layers; default null, 1.0).
 An fp8 cache (``--kv-cache-dtype`` fp8_e4m3, fp8_e5m2: a uint8 host pool) is
 stored as fp8 pages of that dtype, with zstd (1-byte values have no byte planes).  Refused at start, in one line: pipeline parallel,
@@ -176,7 +176,10 @@ class PffsHiCacheStorage(HiCacheStorage):
         self.writer = self.tp_rank == 0 or not self.mla
         self.identity = model_identity(storage_config.model_name, extra)
         self.extra = extra
-        self.io_threads = max(1, int(extra.get("io_threads", min(4, os.cpu_count() or 1))))
+        # (A bucket's reads and writes mostly wait on the network: more of them at once.)
+        cpus = os.cpu_count() or 1
+        self.io_threads = max(1, int(extra.get("io_threads", min(4, cpus) if access.bucket is None
+                                               else max(8, 2 * cpus))))
         self._threads = ThreadPoolExecutor(self.io_threads, thread_name_prefix="pffs-hicache")
         self._local = threading.local()
         self._said_slices = False

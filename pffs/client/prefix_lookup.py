@@ -113,22 +113,29 @@ class PrefixIndex:
         bucket = self.bucket()
         if bucket is None:
             return []
-        from pffs.bucket.shared_index import remote_run, stored
-        # (The mount checks the blobs are in the bucket as it adopts them.)
+        from pffs.bucket.shared_index import lookups, remote_run
         pairs = remote_run(bucket, space, keys, check_blobs=False)
         if pairs:
-            try:
-                cache_blobs(self.mountpoint, space, [(k, str(d)) for k, d in pairs])
-            except PffsError as e:
-                # A blob gone (the batch refused), or a mount this caller may not
-                # write: checked here, and kept there where it can be.
-                pairs = stored(bucket, space, pairs)
-                try:
-                    cache_blobs(self.mountpoint, space, [(k, str(d)) for k, d in pairs])
-                except PffsError:
-                    log.info("shared index: %d pages found in the bucket not kept here: %s",
-                             len(pairs), e)
+            # Adopted beside the answer: the mount checks each blob is in the bucket
+            # (a HEAD each) as it keeps them.  A page whose blob went is a miss when
+            # read (its frame is not found), as any page gc took.
+            lookups().pool.submit(_adopt, self.mountpoint, bucket, space, pairs)
         return [d for _, d in pairs]
+
+
+def _adopt(mountpoint: str, bucket: Any, space: str, pairs: list) -> None:
+    """Keep pages another mount published in *mountpoint*'s key-only cache (a thread)."""
+    from pffs.bucket.shared_index import stored
+    try:
+        cache_blobs(mountpoint, space, [(k, str(d)) for k, d in pairs])
+    except PffsError as e:
+        # A blob gone (the batch refused), or a mount this caller may not write:
+        # the blobs checked here (an entry whose blob went is removed), the rest kept.
+        pairs = stored(bucket, space, pairs)
+        try:
+            cache_blobs(mountpoint, space, [(k, str(d)) for k, d in pairs])
+        except PffsError:
+            log.info("shared index: %d pages found in the bucket not kept here: %s", len(pairs), e)
 
 
 def longest_prefix(mountpoint: str | os.PathLike, space: str, keys: Sequence[str], *,
