@@ -208,7 +208,27 @@ def fill_real_kv(pool: KVPool) -> str:
         n = flat.numel()
         reps = -(-n // src.numel())
         flat.copy_(src.roll(-i * step).repeat(reps)[:n])
-    return what
+    # Tiled values repeat a page every len(src) values: each page stamped its own
+    # (its block number in its first values), so a content-addressed store dedups none.
+    row = torch.empty((1, pool.page_bytes), dtype=torch.uint8)
+    for b in range(pool.num_blocks):
+        pool.gather([b], row)
+        row[0, :8] = torch.tensor(list((b * 2654435761 + 1).to_bytes(8, "little")), dtype=torch.uint8)
+        pool.scatter([b], row)
+    n = assert_distinct(pool)
+    return f"{what}, {n} distinct pages (asserted)"
+
+
+def assert_distinct(pool: KVPool) -> int:
+    """The pool's pages are all distinct (sha256 of each); their number."""
+    import hashlib
+    row = torch.empty((1, pool.page_bytes), dtype=torch.uint8)
+    seen = set()
+    for b in range(pool.num_blocks):
+        pool.gather([b], row)
+        seen.add(hashlib.sha256(row.numpy().tobytes()).digest())
+    assert len(seen) == pool.num_blocks, f"{pool.num_blocks - len(seen)} pages repeat another"
+    return len(seen)
 
 
 def mbps(nbytes: int, seconds: float) -> float:
