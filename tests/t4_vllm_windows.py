@@ -103,3 +103,36 @@ def test_sliding_window_sessions_save_and_load_with_the_hybrid_manager_on(tmp_pa
         out = b.one(early, {"pffs_load": "agent-b"}, max_tokens=4)
         assert "windowed layers" in out["kv"].get("pffs_error", ""), out
         assert out["tokens"] == early_ref["tokens"]
+
+
+def test_a_mixed_window_session_at_tensor_parallel_2_loads_at_size_1(tmp_path, mount_factory):
+    """At tensor parallel 2 each rank holds half the KV heads of every cache group: a
+    save joins them into whole-head pages of every layer (the windowed layers where
+    the window reaches), the same pages a size-1 engine saves, which load at size 1."""
+    mnt = mount_factory()
+    with VllmEngine(tmp_path, mnt.path, kind="window-mixed", tp=2) as a:
+        s = a.one(P, {"pffs_save": "tp2"}, max_tokens=8)
+        assert s["kv"] == {"pffs_save": "tp2", "pffs_save_scheduled": 107}, s
+        wait_saved(mnt / "tp2")
+    with VllmEngine(tmp_path, mnt.path, kind="window-mixed") as b:
+        s1 = b.one(P, {"pffs_save": "tp1"}, max_tokens=8)
+        wait_saved(mnt / "tp1")
+        q = P + s1["tokens"][:7] + [5, 6]
+        ref = b.one(q, max_tokens=8)        # (from its prefix cache)
+        b.reset()                           # (else that cache, asked first, holds the prompt)
+        got = b.one(q, {"pffs_load": "tp2"}, max_tokens=8)
+    (m2, p2), (m1, p1) = pages_of(mnt / "tp2"), pages_of(mnt / "tp1")
+    assert m2["kv"]["window"] == m1["kv"]["window"] == {"tokens": 48, "layers": [1, 3]}
+    for i, (x, y) in enumerate(zip(p2, p1)):
+        for layer in range(L):
+            if layer in (1, 3) and i == 0:
+                assert not x[:, layer].any() and not y[:, layer].any()
+                continue
+            cos = torch.nn.functional.cosine_similarity(x[:, layer].float().flatten(),
+                                                        y[:, layer].float().flatten(), dim=0)
+            assert cos >= 0.999, f"page {i} layer {layer}: cosine {cos:.5f}"
+    assert got["kv"] == {"pffs_loaded": 96}, got
+    # (the size-2 pages hold bf16 sums of two ranks in another order than size 1's:
+    # the continuations may part where two tokens are about equally likely)
+    from t4_vllm_mla import same_until_a_tie
+    same_until_a_tie(got, ref)
