@@ -213,7 +213,9 @@ def fill_real_kv(pool: KVPool) -> str:
     row = torch.empty((1, pool.page_bytes), dtype=torch.uint8)
     for b in range(pool.num_blocks):
         pool.gather([b], row)
-        row[0, :8] = torch.tensor(list((b * 2654435761 + 1).to_bytes(8, "little")), dtype=torch.uint8)
+        # (finite values: a NaN would not compare equal to itself after a round trip)
+        row[0, :8] = torch.tensor([float(x) for x in (b + 1).to_bytes(4, "little")],
+                                  dtype=torch.bfloat16).view(torch.uint8)
         pool.scatter([b], row)
     n = assert_distinct(pool)
     return f"{what}, {n} distinct pages (asserted)"
