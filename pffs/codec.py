@@ -38,7 +38,7 @@ import re
 import struct
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import zstandard
@@ -490,6 +490,48 @@ def decode_into_checked(frame, out, name: bytes, *, rehash: bool = False) -> tup
     if rehash and hashlib.sha256(dst).digest() != name:
         raise CodecError("sha256 of the stored bytes does not match its name")
     return n, True
+
+
+def decode_into_runs(frame, runs: Sequence, name: bytes, *, rehash: bool = False) -> int:
+    """Decode *frame* straight into *runs*, writable buffers whose lengths add up
+    to its raw length, filled in order (a page whose memory is a few contiguous
+    runs, as SGLang's host pool holds K and V: no staging copy); returns the raw
+    length, nothing written where it is not theirs.  The bytes are checked to be
+    blob *name* (a sha256), whatever the frame: a named frame must name it and
+    its crc32 is checked, an unnamed one (or any, with *rehash*) is hashed;
+    CodecError otherwise, the runs then holding what was decoded."""
+    hdr = read_header(frame)
+    views = [memoryview(r).cast("B") for r in runs]
+    if hdr.raw_len != sum(len(v) for v in views):
+        return hdr.raw_len
+    named = check_name(frame, name)
+    payload = _payload(frame, hdr)
+    if hdr.codec.id == CODEC_PLANES_ZSTD and not any(len(v) % 2 for v in views):
+        lo, hi, _ = _plane_parts(payload, hdr.flags, hdr.raw_len)
+        lo, hi, at = memoryview(lo), memoryview(hi), 0
+        for v in views:
+            k = len(v) // 2
+            _join_into(v, lo[at:at + k], hi[at:at + k])
+            at += k
+    else:
+        raw = memoryview(decode(frame, max(hdr.raw_len, 1), check_crc=False))
+        at = 0
+        for v in views:
+            v[:] = raw[at:at + len(v)]
+            at += len(v)
+    if rehash or not named:
+        h = hashlib.sha256()
+        for v in views:
+            h.update(v)
+        if h.digest() != name:
+            raise CodecError("sha256 of the stored bytes does not match its name")
+        return hdr.raw_len
+    crc = 0
+    for v in views:
+        crc = crc32(v, crc)
+    if crc != hdr.crc32:
+        raise CodecError("crc32 of the decoded bytes does not match the header")
+    return hdr.raw_len
 
 
 def frame_extent(hdr: FrameHeader, pread: Callable[[int, int], bytes]) -> int | None:

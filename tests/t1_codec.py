@@ -215,3 +215,31 @@ def test_one_byte_values_take_zstd_not_byte_planes():
     assert codec.for_itemsize(planes, 1) == codec.parse_codec("zstd-1")
     assert codec.for_itemsize(planes, 2) == planes
     assert codec.for_itemsize(codec.parse_codec("zstd-19"), 1) == codec.parse_codec("zstd-19")
+
+
+@pytest.mark.parametrize("name", ["raw", "zstd-1", "planes-zstd1"])
+@pytest.mark.parametrize("cuts", [[], [1 << 19], [4096, 65536, 1 << 19], [1000], [1001]])
+def test_a_frame_decodes_straight_into_runs_of_memory(name, cuts, bf16_pages):
+    """decode_into_runs: a page whose memory is a few runs (SGLang's host pool:
+    its K and its V) gets the bytes straight into them, in order, checked to be
+    the blob named: a named frame by its crc32, an unnamed one (or any, with
+    rehash) by its sha256; another blob's name, a flipped byte or another
+    size refused."""
+    page = b"".join(bf16_pages)[:1 << 20]
+    d = hashlib.sha256(page).digest()
+    edges = [0, *cuts, len(page)]
+    for frame in (codec.encode(page, name, name=d), codec.encode(page, name)):
+        for rehash in (False, True):
+            runs = [np.zeros(b - a, np.uint8) for a, b in zip(edges, edges[1:])]
+            assert codec.decode_into_runs(frame, runs, d, rehash=rehash) == len(page)
+            assert b"".join(r.tobytes() for r in runs) == page
+        with pytest.raises(CodecError):
+            codec.decode_into_runs(frame, [np.zeros(len(page), np.uint8)], hashlib.sha256(b"x").digest())
+    # Another size: nothing written, its size said.
+    short = np.zeros(len(page) - 2, np.uint8)
+    assert codec.decode_into_runs(codec.encode(page, name, name=d), [short], d) == len(page)
+    assert not short.any()
+    bad = bytearray(codec.encode(page, name, name=d))
+    bad[len(bad) // 2] ^= 0x10
+    with pytest.raises(CodecError):
+        codec.decode_into_runs(bytes(bad), [np.zeros(len(page), np.uint8)], d)

@@ -91,6 +91,31 @@ def test_pages_written_through_are_contract_pages_under_chain_keys_and_come_back
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_a_prefetch_decodes_straight_into_the_host_pool_with_no_staging_copy(mount_factory):
+    """page_first_direct at tensor parallel 1: each page's K and V are decoded
+    straight into the host pool (the staging buffer is never asked for); a
+    layer_first pool, a page in many short runs, goes through it."""
+    mnt = mount_factory()
+    tokens = list(range(5000, 5048))
+    with hicache(mnt) as hc:
+        k, v = sglang_cpu.random_kv(hc, len(tokens), seed=9)
+        hc.insert(tokens, k, v)
+        hc.wait_storage_writes()
+        pages = sglang_cpu.contract_page_bytes(k, v, 16)
+    for layout, staged in (("page_first_direct", False), ("layer_first", True)):
+        with hicache(mnt, layout=layout) as fresh:
+            st, asked = fresh.storage, []
+            inner = st._staging
+            st._staging = lambda: asked.append(1) or inner()
+            idx = fresh.prefetch(tokens)
+            assert len(idx) == len(tokens) and bool(asked) == staged, layout
+            slots = fresh.load_back(tokens)
+            dk, dv = fresh.device_kv(slots)
+            assert torch.equal(dk, k) and torch.equal(dv, v)
+            if layout == "page_first_direct":
+                assert fresh.host_page_bytes(idx) == pages
+
+
 def test_a_session_saved_by_vllm_is_a_hit_for_sglang_by_its_tokens(mount_factory, tmp_path):
     """vLLM's real engine saves a request (random Llama, bf16, pages of 32); SGLang, told
     the same model (its folder: the config's sha256 and the weights' fingerprint, as

@@ -105,6 +105,16 @@ def is_key(k: object) -> bool:
 FP8_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def contiguous_runs(view: torch.Tensor, most: int = 8) -> list | None:
+    """*view*'s memory as at most *most* contiguous runs in its element order
+    (writable byte arrays), or None where it is not (the runs of a strided
+    view would be too many and too short to be worth decoding into)."""
+    parts = [view] if view.is_contiguous() else list(view.unbind(0)) if view.dim() > 1 else []
+    if not parts or len(parts) > most or not all(p.is_contiguous() for p in parts):
+        return None
+    return [p.reshape(-1).view(torch.uint8).numpy() for p in parts]
+
+
 def page_dtype(host_dtype: torch.dtype) -> torch.dtype:
     """The dtype a page of a host pool of *host_dtype* holds: a uint8 pool is the fp8
     cache SGLang's kv_cache_dtype names (ValueError for any other)."""
@@ -327,24 +337,38 @@ class PffsHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def _read_page(self, d: Digest, dest: torch.Tensor) -> bool:
-        """Blob *d* into the page view *dest* (this rank's heads); False, *dest* untouched,
-        for a blob missing, damaged or of another size."""
-        staging = self._staging()
-        out = staging.numpy().data
+        """Blob *d* into the page view *dest* (this rank's heads); False for a blob
+        missing, damaged or of another size.  Where *dest* is a whole page in a
+        few large contiguous runs (page_first_direct: its K and its V; a flat
+        page of the legacy interface) it is decoded straight into them, and a
+        miss may leave them changed: SGLang frees the host slots of every page
+        from a prefetch's first miss on.  Else (page_first, layer_first, a
+        rank's heads) through this thread's staging buffer, *dest* untouched
+        by a miss."""
+        whole = self.tp_size == 1 or self.mla     # (MLA: every rank the whole latent)
+        runs = contiguous_runs(dest) if whole else None
+        staging = self._staging() if runs is None else None
         try:
             frame, cached = fetch_frame(self.blobs, self.access.bucket, d)
-            n, checked = decode_page(self.blobs, self.access.bucket, 0, d, frame, cached, out)
-            if n != self.page_bytes or (not checked and digest_of(out) != d):
+            if runs is not None:
+                n, checked = decode_page(self.blobs, self.access.bucket, 0, d, frame, cached, runs)
+            else:
+                assert staging is not None
+                out = staging.numpy().data
+                n, checked = decode_page(self.blobs, self.access.bucket, 0, d, frame, cached, out)
+                checked = checked or (n == self.page_bytes and digest_of(out) == d)
+            if n != self.page_bytes or not checked:
                 log.warning("pffs HiCache storage: blob %s is not a page of this geometry or is "
                             "damaged: a miss", d)
                 return False
         except (MissingBlob, DamagedPage, PffsError) as e:
             log.warning("pffs HiCache storage: blob %s: %s: a miss", d, e)
             return False
-        page = self._typed(staging)
-        if self.tp_size > 1 and not self.mla:     # (MLA: every rank the whole latent)
-            page = page[:, :, :, self.first_head:self.first_head + self.heads]
-        dest.copy_(page)
+        if staging is not None:
+            page = self._typed(staging)
+            if not whole:
+                page = page[:, :, :, self.first_head:self.first_head + self.heads]
+            dest.copy_(page)
         return True
 
     def _get(self, keys: Sequence[str], views: Callable[[int], list[torch.Tensor]]) -> list[bool]:

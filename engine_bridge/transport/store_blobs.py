@@ -30,17 +30,26 @@ def fetch_frame(blobs: Blobs, bucket: "S3BlobStore | None", d: Digest) -> tuple[
 
 
 def decode_page(blobs: Blobs, bucket: "S3BlobStore | None", ix: int, d: Digest, frame: bytes,
-                cached: bool, out: memoryview) -> tuple[int, bool]:
+                cached: bool, out: memoryview | list) -> tuple[int, bool]:
     """Decode page *ix*'s *frame* into *out*: (its length, whether the bytes are
     checked to be blob *d*: pffs.codec.decode_into_checked; else the bridge
-    hashes them).  Where the mount verifies by sha256 (``blobs.verify``, from
-    ``.pffs/store.json``), so does this.  A damaged frame of the mount's cache
-    is downloaded again, since the bucket has the blob; a damaged blob of a
-    local store is set aside, so the next write of its bytes heals it."""
+    hashes them).  *out* may be a list of buffers the page fills in order (a
+    page's memory in a few contiguous runs, decoded straight into them:
+    pffs.codec.decode_into_runs, the bytes then always checked; a damaged
+    page leaves them holding what was decoded).  Where the mount verifies by
+    sha256 (``blobs.verify``, from ``.pffs/store.json``), so does this.  A
+    damaged frame of the mount's cache is downloaded again, since the bucket
+    has the blob; a damaged blob of a local store is set aside, so the next
+    write of its bytes heals it."""
     name = digest_bytes(d)
     rehash = blobs.verify == "sha256"
-    try:
+
+    def decode(frame: bytes) -> tuple[int, bool]:
+        if isinstance(out, list):
+            return codec_mod.decode_into_runs(frame, out, name, rehash=rehash), True
         return codec_mod.decode_into_checked(frame, out, name, rehash=rehash)
+    try:
+        return decode(frame)
     except CodecError as e:
         if not cached or bucket is None:
             if isinstance(blobs, LocalBlobStore):
@@ -48,7 +57,7 @@ def decode_page(blobs: Blobs, bucket: "S3BlobStore | None", ix: int, d: Digest, 
             raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
     frame = bucket.download(d)
     try:
-        return codec_mod.decode_into_checked(frame, out, name, rehash=rehash)
+        return decode(frame)
     except CodecError as e:
         raise DamagedPage(ix, f"its blob {d} in the store is damaged: {e}") from None
 
