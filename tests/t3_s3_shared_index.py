@@ -65,7 +65,8 @@ def test_a_session_on_one_mount_is_found_by_tokens_on_another(weed, s3_mounts, b
     before = shared_index.lookups().requests
     longer = keys[:3] + ck.chain_keys(tokens[:3 * T] + [7] * T, T)[3:]
     assert longest_prefix(b.path, space, longer) == man.pages[:3]
-    assert shared_index.lookups().requests - before >= 4      # (3 GETs and a miss, HEADs)
+    # (the run published from the first key, then a GET of each key it did not cover)
+    assert shared_index.lookups().requests - before == 3
     # Adopted (beside the answer): B's own index holds the pages, by key alone, no bytes moved.
     from mountutil import wait_for
 
@@ -85,6 +86,45 @@ def test_a_session_on_one_mount_is_found_by_tokens_on_another(weed, s3_mounts, b
              check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert [digest((b.path / "copy" / "pages" / mf_name(i)).read_bytes()) for i in range(5)] == man.pages
+
+
+def test_a_chain_is_found_in_one_request_by_its_run(weed, s3_mounts, bf16_pages):
+    """A manifest's keys are also published as one run object from its first key:
+    a mount that never saw them finds the whole chain in one GET; a lookup
+    starting where no run starts asks for each key; a run naming a blob gone
+    is a miss and is removed with the entry."""
+    bucket = weed.make_bucket()
+    url = f"s3://{bucket}/kv"
+    a, b, c = s3_mounts("a", url), s3_mounts("b", url), s3_mounts("c", url)
+    pages = varied_pages(bf16_pages, 6, salt=606)
+    man, space, keys = write_session(a.path / "chat", pages, list(range(90_000, 90_000 + 6 * T)))
+    published(a)
+    runs = {k: weed.client.get_object(Bucket=bucket, Key=k)["Body"].read().decode()
+            for k in weed.objects(bucket, "kv/runs/")}
+    assert runs == {f"kv/runs/{space}/{keys[0]}": "".join(f"{k} {d}\n" for k, d in zip(keys, man.pages))}
+    assert json.loads((a.path / ".pffs" / "stats.json").read_bytes())["shared_index"]["runs"] == 1
+
+    before = shared_index.lookups().requests
+    assert longest_prefix(b.path, space, keys) == man.pages
+    assert shared_index.lookups().requests - before == 1
+    before = shared_index.lookups().requests
+    assert longest_prefix(c.path, space, keys[2:]) == man.pages[2:]
+    assert shared_index.lookups().requests - before == 1 + 4     # (no run from there: a GET a key)
+
+    # A run whose first entry's blob is gone: a miss once adoption checks it; entry and run removed.
+    ghosts = ck.chain_keys(list(range(7, 7 + 3 * T)), T)
+    bogus = ["sha256:" + f"{i:02x}" * 32 for i in (1, 2, 3)]
+    for k, d in zip(ghosts, bogus):
+        weed.client.put_object(Bucket=bucket, Key=f"kv/index/{space}/{k}", Body=d.encode())
+    weed.client.put_object(Bucket=bucket, Key=f"kv/runs/{space}/{ghosts[0]}",
+                           Body="".join(f"{k} {d}\n" for k, d in zip(ghosts, bogus)).encode())
+    b.allow(r"user.pffs.prefix.put: refused: \d of the \d blobs named are not in the store")
+    assert longest_prefix(b.path, space, ghosts) in ([], bogus)
+    from mountutil import wait_for
+    wait_for(lambda: f"kv/runs/{space}/{ghosts[0]}" not in weed.objects(bucket, "kv/runs/")
+             and f"{space}/{ghosts[0]}" not in index_objects(weed, bucket, "kv"), what="the run removed")
+    shared_index.lookups().missing.clear()      # (misses remembered meanwhile, for 2 s)
+    assert longest_prefix(b.path, space, ghosts) == []
 
 
 def mf_name(i: int) -> str:
