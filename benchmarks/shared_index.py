@@ -138,6 +138,7 @@ def main() -> int:
     ap.add_argument("--index-seconds", type=float, default=180.0, help="most build time of part 4")
     ap.add_argument("--publish", type=int, default=None, help="keys of part 5 (2,000; --small 500)")
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--index-only", action="store_true", help="part 4 alone (no server, no engine)")
     a = ap.parse_args()
     if a.small:
         L, H, D, T = 4, 2, 64, 16
@@ -147,6 +148,13 @@ def main() -> int:
     index_keys = a.index_keys if a.index_keys is not None else (200_000 if a.small else 10_000_000)
     publish_n = a.publish if a.publish is not None else (500 if a.small else 2000)
 
+    if a.index_only:
+        tmp = Path(tempfile.mkdtemp(prefix="pffs-shared-index-bench-", dir=a.dir))
+        try:
+            part_index(tmp, index_keys, a.index_seconds)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     try:
         import sglang_cpu
         sglang_cpu.install()
