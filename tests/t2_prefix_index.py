@@ -277,3 +277,33 @@ def test_a_counted_key_only_cache_costs_no_pass_over_its_rows(root):
         conn.close()
     assert not [s for s in said if "SUM(" in s.upper()], said[:5]
     assert gone > 0 and total == held[0] <= 1_000
+
+
+def test_a_lookup_of_a_batch_of_keys_is_two_statements_not_two_a_key(root):
+    """find asks for FIND_BATCH keys in one statement each for sessions and the key-only
+    cache (a statement a key cost 3.2 ms for 128 keys at a million rows, batched 1.7 ms),
+    and still gives the leading run in order, a session's page before a cached one."""
+    pages = [page(i) for i in range(300)]
+    tokens = list(range(7000, 7000 + 300 * P))
+    m = write(root, "a", pages[:200], tokens[:200 * P])
+    keys = ck.chain_keys(tokens, P)
+    conn = db(root)
+    said: list[str] = []
+    try:
+        with ns.transaction(conn):       # pages 200.. kept by key alone (their blobs: a's)
+            pi.cache_pages(conn, SPACE, [(k, m.pages[i % 200], 64) for i, k in enumerate(keys[200:], 200)],
+                           1, 1 << 40)
+        conn.set_trace_callback(said.append)
+        got = pi.find(conn, SPACE, keys[:128])
+        assert [d for d, c in got] == m.pages[:128] and not any(c for _, c in got)
+        assert len([s for s in said if "SELECT" in s.upper()]) <= 2     # (the space's id, its hits)
+        said.clear()
+        got = pi.find(conn, SPACE, keys)
+        assert [d for d, _ in got] == m.pages + [m.pages[i % 200] for i in range(200, 300)]
+        assert [c for _, c in got] == [False] * 200 + [True] * 100
+        assert len([s for s in said if "SELECT" in s.upper()]) <= 1 + 2 * -(-300 // pi.FIND_BATCH)
+        said.clear()
+        assert [d for d, _ in pi.find(conn, SPACE, keys[:5] + ["0" * 64] + keys[6:])] == m.pages[:5]
+    finally:
+        conn.set_trace_callback(None)
+        conn.close()

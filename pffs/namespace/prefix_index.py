@@ -87,30 +87,50 @@ def ensure_keys(conn: sqlite3.Connection, manifest: str, keys: IndexKeys | None)
 
 # -- what a key finds ---------------------------------------------------------
 
-SESSION_HIT = ("SELECT p.digest FROM manifest_pages p WHERE p.space = ? AND p.key = ?"
-               " AND EXISTS (SELECT 1 FROM manifests m WHERE m.digest = p.manifest)"
-               " AND EXISTS (SELECT 1 FROM blobs b WHERE b.digest = p.digest) LIMIT 1")
-CACHED_HIT = ("SELECT c.digest FROM cached_keys c WHERE c.space = ? AND c.key = ?"
-              " AND EXISTS (SELECT 1 FROM blobs b WHERE b.digest = c.digest)")
+#: Keys one statement asks for (a lookup of a 128-key batch is two statements).
+FIND_BATCH = 256
+
+
+def _hits(conn: sqlite3.Connection, sid: int, keys: list[str]) -> tuple[dict, dict]:
+    """({key: digest} a session holds, {key: digest} the key-only cache holds) of *keys*,
+    each only where the page's blob has a row: two statements, whatever their number."""
+    marks = ",".join("?" * len(keys))
+    held = dict(conn.execute(
+        f"SELECT p.key, p.digest FROM manifest_pages p WHERE p.space = ? AND p.key IN ({marks})"
+        " AND EXISTS (SELECT 1 FROM manifests m WHERE m.digest = p.manifest)"
+        " AND EXISTS (SELECT 1 FROM blobs b WHERE b.digest = p.digest)", (sid, *keys)).fetchall())
+    rest = [k for k in keys if k not in held]
+    cached = dict(conn.execute(
+        f"SELECT c.key, c.digest FROM cached_keys c WHERE c.space = ? AND c.key IN ({','.join('?' * len(rest))})"
+        " AND EXISTS (SELECT 1 FROM blobs b WHERE b.digest = c.digest)", (sid, *rest)).fetchall()
+    ) if rest else {}
+    return held, cached
 
 
 def find(conn: sqlite3.Connection, space: str, keys: Iterable[str]) -> list[tuple[Digest, bool]]:
     """The leading run of *keys* found in namespace *space*: [(digest, whether only the
     key-only cache gave it)], in order, stopping at the first key not found.
 
-    One indexed query per key asked (two where no session holds it)."""
+    Two indexed statements for each :data:`FIND_BATCH` keys asked (one where a
+    session holds them all), stopping at the batch with the first miss: a
+    statement a key cost twice the time at a million keys (docs/prefix-index.md)."""
     sid = space_id(conn, space, create=False)
     out: list[tuple[Digest, bool]] = []
     if sid is None:
         return out
-    for key in keys:
-        row = conn.execute(SESSION_HIT, (sid, key)).fetchone()
-        cached = row is None
-        if cached:
-            row = conn.execute(CACHED_HIT, (sid, key)).fetchone()
-        if row is None:
-            break
-        out.append((Digest(row[0]), cached))
+    keys = list(keys)
+    for at in range(0, len(keys), FIND_BATCH):
+        part = keys[at:at + FIND_BATCH]
+        held, cached = _hits(conn, sid, part)
+        for key in part:
+            d = held.get(key)
+            if d is None:
+                d = cached.get(key)
+                if d is None:
+                    return out
+                out.append((Digest(d), True))
+            else:
+                out.append((Digest(d), False))
     return out
 
 
