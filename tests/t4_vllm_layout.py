@@ -67,6 +67,22 @@ def test_vllm_views_gather_and_scatter_contract_pages(order, kernel, tmp_path):
     assert bytes(back[0].numpy()) == expected_page(views, 5, r)
 
 
+def or_skip(fn, *args, **kw):
+    """``fn(*args, **kw)``, or a skip naming why where vLLM's CPU build has no kernel for
+    this configuration on this host (its AMX and fp8 paths need AVX-512)."""
+    try:
+        return fn(*args, **kw)
+    except (RuntimeError, NotImplementedError) as e:
+        if "Unsupported CPU attention configuration" in str(e) or "AVX-512" in str(e):
+            pytest.skip(f"vLLM's CPU kernel is not available on this host: {e}")
+        raise
+
+
+def write_or_skip(ops, *args, **kw) -> None:
+    """vLLM's own cache-writing kernel (or_skip)."""
+    or_skip(ops.cpu_attn_reshape_and_cache, *args, **kw)
+
+
 @pytest.mark.parametrize("isa, dtype", [("vec", torch.bfloat16), ("vec", torch.float16),
                                         ("vec", torch.float32), ("vec16", torch.bfloat16),
                                         ("amx", torch.bfloat16)])
@@ -81,7 +97,7 @@ def test_cpu_kernel_packings_are_converted_exactly(isa, dtype, n_layers):
 
     from engine_bridge.vllm.packing import cpu_packing
     B, Hh, N, Dd = 6, 2, 32, 64
-    packing = cpu_packing(isa, dtype, N, Dd)
+    packing = or_skip(cpu_packing, isa, dtype, N, Dd)
     assert packing.name == f"cpu {isa}"
     pools = [VllmKVPool.allocate_vllm(num_blocks=B, block_size=N, n_layers=n_layers, n_heads=Hh,
                                       head_dim=Dd, dtype=dtype, order="LBHNC", packing=packing)
@@ -92,8 +108,8 @@ def test_cpu_kernel_packings_are_converted_exactly(isa, dtype, n_layers):
     v = torch.randn((n_layers, B * N, Hh, Dd), generator=g).to(dtype)
     for layer, t in enumerate(pools[0].layers):
         kc, vc = t.view(B, Hh, 2 * N, Dd).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k[layer], v[layer], kc, vc, torch.arange(B * N), isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        write_or_skip(ops, k[layer], v[layer], kc, vc, torch.arange(B * N), isa,
+                      k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     out = torch.empty((2, pools[0].page_bytes), dtype=torch.uint8)
     pools[0].gather([4, 1], out)
     for row, b in enumerate([4, 1]):
@@ -125,7 +141,7 @@ def test_cpu_fp8_kernel_packings_are_converted_exactly(isa, kv_cache_dtype, fp8,
 
     from engine_bridge.vllm.packing import cpu_packing
     B, Hh, N, Dd, n_layers = 6, 2, 32, 64, 2
-    packing = cpu_packing(isa, torch.uint8, N, Dd, kv_cache_dtype, model_dtype)
+    packing = or_skip(cpu_packing, isa, torch.uint8, N, Dd, kv_cache_dtype, model_dtype)
     pools = [VllmKVPool.allocate_vllm(num_blocks=B, block_size=N, n_layers=n_layers, n_heads=Hh,
                                       head_dim=Dd, dtype=fp8, order="LBHNC", packing=packing)
              for _ in range(2)]
@@ -136,9 +152,9 @@ def test_cpu_fp8_kernel_packings_are_converted_exactly(isa, kv_cache_dtype, fp8,
     for layer, t in enumerate(pools[0].layers):
         ks, vs = scales[layer]
         kc, vc = t.view(torch.uint8).view(B, Hh, 2 * N, Dd).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache((k8[layer].to(model_dtype) * ks), (v8[layer].to(model_dtype) * vs),
-                                       kc, vc, torch.arange(B * N), isa, k_scale=ks, v_scale=vs,
-                                       kv_cache_dtype=kv_cache_dtype)
+        write_or_skip(ops, (k8[layer].to(model_dtype) * ks), (v8[layer].to(model_dtype) * vs),
+                      kc, vc, torch.arange(B * N), isa, k_scale=ks, v_scale=vs,
+                      kv_cache_dtype=kv_cache_dtype)
     out = torch.empty((2, pools[0].page_bytes), dtype=torch.uint8)
     pools[0].gather([4, 1], out)
     for row, b in enumerate([4, 1]):
