@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from mountutil import pffs, wait_for
-from vllm_real import VllmEngine
+from vllm_real import VllmEngine, needs_avx512
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -87,6 +87,7 @@ def test_save_fork_and_load_in_a_fresh_engine(tmp_path, mount_factory):
             assert "another cache_salt" in out["kv"].get("pffs_error", ""), out
 
 
+@needs_avx512
 def test_a_preempted_loading_request_loads_again(tmp_path, mount_factory):
     """In an engine of 12 blocks a request that loaded its prompt from a session
     is preempted by an older one and resumed: its load is issued again (vLLM

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from mountutil import pffs
-from vllm_real import EngineDied, VllmEngine
+from vllm_real import EngineDied, VllmEngine, needs_avx512
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -83,6 +83,7 @@ def mha_manifest(mla: dict) -> dict:
     return m
 
 
+@needs_avx512
 def test_mla_sessions_save_fork_and_load_in_a_fresh_engine(tmp_path, mount_factory):
     """A DeepSeek-V2 request saved by name gives a session of MLA pages
     (attention mla, one head of 512 + 64 values, pages of L x 16 x 576 bf16)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from mountutil import pffs
-from vllm_real import VllmEngine
+from vllm_real import VllmEngine, needs_avx512
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -101,6 +101,7 @@ def test_pages_are_the_models_kv_on_each_cpu_kernel(tmp_path, mount_factory, isa
     assert_pages_are(mnt / "a", k, v)
 
 
+@needs_avx512
 def test_sessions_move_between_cpu_kernels_and_from_an_amx_engine(tmp_path, mount_factory):
     """A session saved by vLLM on the vec16 kernel, and one held by an AMX
     engine (its blocks written by vLLM's own AMX kernel, page-out through the

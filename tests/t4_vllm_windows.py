@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from t4_vllm_engine import P, wait_saved
-from vllm_real import VllmEngine
+from vllm_real import VllmEngine, needs_avx512
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -105,6 +105,7 @@ def test_sliding_window_sessions_save_and_load_with_the_hybrid_manager_on(tmp_pa
         assert out["tokens"] == early_ref["tokens"]
 
 
+@needs_avx512
 def test_a_mixed_window_session_at_tensor_parallel_2_loads_at_size_1(tmp_path, mount_factory):
     """At tensor parallel 2 each rank holds half the KV heads of every cache group: a
     save joins them into whole-head pages of every layer (the windowed layers where

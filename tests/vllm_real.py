@@ -137,3 +137,24 @@ class VllmEngine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+#: vLLM's CPU build without AVX-512: no AMX or fp8 kernels, and, measured on such a host,
+#: a request's greedy tokens change with the batch it runs in (a request with no load at
+#: all parted from its own solo run at token 54), so tests comparing runs across batches
+#: or tensor-parallel sizes cannot tell pffs's faults from the engine's there.
+NO_AVX512 = "avx512f" not in _cpu_flags()
+needs_avx512 = __import__("pytest").mark.skipif(
+    NO_AVX512, reason="vLLM's CPU kernels on this host (no AVX-512) are not batch-invariant "
+                      "or lack this kernel: see tests/vllm_real.py NO_AVX512")
