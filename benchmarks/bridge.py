@@ -221,6 +221,26 @@ def fill_real_kv(pool: KVPool) -> str:
     return f"{what}, {n} distinct pages (asserted)"
 
 
+def evict(*folders) -> int:
+    """Every file under *folders* out of the page cache, after a sync (the machine's
+    cache cannot be dropped whole here); how many files."""
+    os.sync()
+    n = 0
+    for folder in folders:
+        for dirpath, _, files in os.walk(folder):
+            for f in files:
+                try:
+                    fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    n += 1
+                finally:
+                    os.close(fd)
+    return n
+
+
 def assert_distinct(pool: KVPool) -> int:
     """The pool's pages are all distinct (sha256 of each); their number."""
     import hashlib

@@ -46,25 +46,6 @@ BATCH = 128     # SGLang's STORAGE_BATCH_SIZE
 SYSTEMS = ("file", "pffs")
 
 
-def evict(*folders: Path) -> int:
-    """Every file under *folders* out of the page cache (after a sync); how many."""
-    os.sync()
-    n = 0
-    for folder in folders:
-        for dirpath, _, files in os.walk(folder):
-            for f in files:
-                try:
-                    fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    n += 1
-                finally:
-                    os.close(fd)
-    return n
-
-
 def stored_bytes(folder: Path) -> int:
     """Bytes of the files under *folder* (a pffs store's ``reserve``, space it keeps
     for deletes on a full disk, not counted)."""
@@ -93,7 +74,7 @@ def main() -> int:
     except ImportError as e:
         print(f"sglang_peers: SGLang does not import ({e}); nothing measured")
         return 0
-    from bridge import fill_real_kv
+    from bridge import evict, fill_real_kv
 
     from engine_bridge import KVPool
     from engine_bridge.core.pool import FLASHINFER

@@ -48,20 +48,6 @@ BLOCK = 32
 SYSTEMS = ("example", "pffs")
 
 
-def evict(folder: Path) -> None:
-    os.sync()
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def worker(a) -> None:
     """One engine process: --op save or load; one JSON line of results on stdout."""
     os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -186,6 +172,7 @@ def main() -> int:
         print(f"vllm_peers: vLLM does not import ({e}); nothing measured")
         return 0
     import torch
+    from bridge import evict
     from mountutil import Mount
     from vllm_connector import make_model
 
