@@ -299,3 +299,39 @@ def test_a_background_write_that_times_out_does_not_hold_the_store(weed, tmp_pat
     finally:
         store.close()
         hole.close()
+
+
+def test_a_page_costs_one_lean_request_and_no_boto3_call(weed, tmp_path, bf16_pages):
+    """A blob's PUT and GET, a small object's PUT and GET and a HEAD go on the
+    lean path (pffs.store.s3lean: botocore's signer, one keep-alive
+    connection a thread), one request each, none through boto3's request
+    machinery (counted by its before-send event); a kept-alive connection the
+    server closed (a restart) is opened again for the next request."""
+    bucket = weed.make_bucket()
+    s = S3BlobStore(tmp_path / "a", f"s3://{bucket}/p")
+    s.create_dirs()
+    boto_sends = []
+    s.client.meta.events.register("before-send.s3", lambda **kw: boto_sends.append(kw["request"].url))
+    pages = varied_pages(bf16_pages, 4, salt=11)
+    for p in pages:
+        s._remember(digest(p), None)        # (known absent: a put is its PUT alone)
+    before = s.lean.requests
+    assert [s.put(p).existed for p in pages] == [False] * 4
+    assert s.lean.requests - before == 4
+    assert s.put_object("small/x", b"abc", {"who": "me"}, if_absent=True)
+    assert not s.put_object("small/x", b"abd", if_absent=True)
+    body, meta = s.get_object("small/x")
+    assert body == b"abc" and meta["who"] == "me" and meta["last_modified"] > 0
+    assert s.get_object("small/none") is None
+    assert s.lean.requests - before == 8
+    # Another host's store: empty cache, each page one GET.
+    b = S3BlobStore(tmp_path / "b", s.url)
+    b.create_dirs()
+    b.client.meta.events.register("before-send.s3", lambda **kw: boto_sends.append(kw["request"].url))
+    assert b.get(digest(pages[0])) == pages[0] and b.lean.requests == 1
+    assert b.stat(digest(pages[1]), fresh=True).raw_size == len(pages[1]) and b.lean.requests == 2
+    assert boto_sends == []
+    weed.restart()      # (the connection this thread kept alive is closed by the server)
+    assert b.get(digest(pages[2])) == pages[2] and b.lean.requests == 3
+    s.close()
+    b.close()

@@ -40,7 +40,7 @@ from pffs.namespace import BlobRow
 from pffs.store.base import BlobBatch, PutResult
 from pffs.store.framecache import FrameCache, PeekCache
 from pffs.store.local import decode_verified, decode_verified_view, sealed
-from pffs.store.s3client import DOWN_HOLD, S3Requests, http_status
+from pffs.store.s3client import DOWN_HOLD, S3Requests
 from pffs.store.s3config import (
     BLOBS,
     CONFIG_NAME,
@@ -171,6 +171,7 @@ class S3BlobStore(S3Requests):
         if self.timeout <= 0 or self.retries < 1 or self.threads < 1:
             raise PffsError("s3_timeout must be > 0, s3_retries and upload_threads >= 1")
         self._client = None
+        self._lean = None
         self._client_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         # Frames handed to the pool and not yet uploaded: bounds the memory a
@@ -237,17 +238,18 @@ class S3BlobStore(S3Requests):
         return info
 
     def _head(self, key: str) -> ObjectInfo | None:
-        r = self._call("head_object", f"HEAD {key}", Key=key)
-        if r is None:
+        a = self._send("HEAD", key, f"HEAD {key}")
+        if a.status == 404:
             return None
-        meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
+        if a.status != 200:
+            raise self._refused(f"HEAD {key}", a)
+        meta = a.metadata()
         try:
             raw = int(meta[_META_RAW])
         except (KeyError, ValueError):
             raw = None
-        lm = r.get("LastModified")
-        return ObjectInfo(int(r["ContentLength"]), raw, meta.get(_META_CODEC, ""),
-                          lm.timestamp() if lm is not None else 0.0)
+        return ObjectInfo(int(a.headers.get("content-length", 0)), raw, meta.get(_META_CODEC, ""),
+                          _modified(a))
 
     def contains(self, digest: Digest) -> bool:
         """Whether the bucket is known to hold *digest*; False when it cannot be asked.
@@ -347,37 +349,31 @@ class S3BlobStore(S3Requests):
 
     def _upload(self, digest: Digest, frame: bytes, raw_size: int, codec_name: str) -> bool:
         """PUT the frame unless the key exists; True if it did (someone stored the blob first)."""
-        from botocore.exceptions import BotoCoreError, ClientError
         existed = False
         key = self.key(digest)
-        meta = {_META_RAW: str(raw_size), _META_CODEC: codec_name}
-        self._check_up(f"PUT {key}")
+        headers = {"content-type": "application/octet-stream", "x-amz-meta-" + _META_RAW: str(raw_size),
+                   "x-amz-meta-" + _META_CODEC: codec_name}
         for attempt in range(4):
-            kw = dict(Bucket=self.bucket, Key=key, Body=bytes(frame), Metadata=meta,
-                      ContentType="application/octet-stream")
             if self._conditional_put:
-                kw["IfNoneMatch"] = "*"
-            try:
-                self.client.put_object(**kw)
+                headers["if-none-match"] = "*"
+            a = self._send("PUT", key, f"PUT {key}", body=frame, headers=headers)
+            if a.status == 200:
                 break
-            except ClientError as e:
-                status = http_status(e)
-                if status == 412:
-                    existed = True  # stored before (by us or another writer): same bytes
+            if a.status == 412:
+                existed = True  # stored before (by us or another writer): same bytes
+                break
+            if a.status == 501 and self._conditional_put:
+                self._conditional_put = False  # no conditional puts here: overwrite alike bytes
+                headers.pop("if-none-match")
+                continue
+            if a.status == 409 and attempt < 3:
+                # A concurrent conditional put of the same key: let it finish, look again.
+                time.sleep(0.1 * (attempt + 1))
+                if self._head(key) is not None:
+                    existed = True
                     break
-                if status == 501 and self._conditional_put:
-                    self._conditional_put = False  # no conditional puts here: overwrite alike bytes
-                    continue
-                if status == 409 and attempt < 3:
-                    # A concurrent conditional put of the same key: let it finish, look again.
-                    time.sleep(0.1 * (attempt + 1))
-                    if self._head(key) is not None:
-                        existed = True
-                        break
-                    continue
-                raise self._error(f"PUT {key}", e) from None
-            except (BotoCoreError, OSError) as e:
-                raise self._error(f"PUT {key}", e) from None
+                continue
+            raise self._refused(f"PUT {key}", a)
         self._remember(digest, ObjectInfo(len(frame), raw_size, codec_name, time.time()))
         self._cache_frame(digest, frame)
         return existed
@@ -403,13 +399,10 @@ class S3BlobStore(S3Requests):
     def _download(self, digest: Digest) -> bytes:
         for area in (BLOBS, TRASH):
             key = self.key(digest, area)
-            r = self._call("get_object", f"GET {key}", Key=key)
-            if r is None:
+            a = self._get_body(key, f"GET {key}")
+            if a is None:
                 continue
-            try:
-                frame = r["Body"].read()
-            except Exception as e:  # the body's stream: urllib3/botocore/socket errors alike
-                raise self._error(f"GET {key}", e) from None
+            frame = a.body
             if area == TRASH:
                 self._restore(digest)
             return frame
@@ -520,16 +513,12 @@ class S3BlobStore(S3Requests):
     def get_object(self, key: str) -> tuple[bytes, dict] | None:
         """(body, metadata) of PREFIX/key, or None."""
         full = self.prefix + key
-        r = self._call("get_object", f"GET {full}", Key=full)
-        if r is None:
+        a = self._get_body(full, f"GET {full}")
+        if a is None:
             return None
-        try:
-            body = r["Body"].read()
-        except Exception as e:
-            raise self._error(f"GET {full}", e) from None
-        meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
-        meta["last_modified"] = r["LastModified"].timestamp() if r.get("LastModified") else 0.0
-        return body, meta
+        meta: dict[str, Any] = dict(a.metadata())
+        meta["last_modified"] = _modified(a)
+        return a.body, meta
 
     def put_object(self, key: str, body: bytes, metadata: dict | None = None, *,
                    if_absent: bool = False, background: bool = False) -> bool:
@@ -539,23 +528,18 @@ class S3BlobStore(S3Requests):
         hold the endpoint: nobody waits on it, and a server restarting under
         it may answer everyone else a moment later.
         """
-        from botocore.exceptions import BotoCoreError, ClientError
         full = self.prefix + key
-        kw = dict(Bucket=self.bucket, Key=full, Body=body, Metadata=metadata or {})
+        headers = {"x-amz-meta-" + k.lower(): str(v) for k, v in (metadata or {}).items()}
         if if_absent:   # (a HEAD first only where the server ignores conditional PUTs)
             if not self._conditional_put and self._head(full) is not None:
                 return False
             if self._conditional_put:
-                kw["IfNoneMatch"] = "*"
-        self._check_up(f"PUT {full}")
-        try:
-            self.client.put_object(**kw)
-        except ClientError as e:
-            if http_status(e) == 412:
-                return False
-            raise self._error(f"PUT {full}", e) from None
-        except (BotoCoreError, OSError) as e:
-            raise self._error(f"PUT {full}", e, hold=not background) from None
+                headers["if-none-match"] = "*"
+        a = self._send("PUT", full, f"PUT {full}", body=body, headers=headers, hold=not background)
+        if a.status == 412:
+            return False
+        if a.status != 200:
+            raise self._refused(f"PUT {full}", a)
         return True
 
     def delete_object(self, key: str) -> None:
@@ -568,6 +552,14 @@ class S3BlobStore(S3Requests):
                        CopySource={"Bucket": self.bucket, "Key": self.prefix + src},
                        MetadataDirective="COPY")
         return r is not None
+
+
+def _modified(a) -> float:
+    """An answer's Last-Modified, in epoch seconds (0.0 where it has none)."""
+    try:
+        return email.utils.parsedate_to_datetime(a.headers["last-modified"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return 0.0
 
 
 class S3PutBatch:

@@ -8,12 +8,15 @@ seconds.  boto3 is imported on first use, so local stores never need it.
 
 from __future__ import annotations
 
+import http.client
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pffs.errors import PffsError, StoreUnavailable
+from pffs.store.s3lean import Answer, LeanS3
 
 DOWN_HOLD = 1.0
 
@@ -38,6 +41,7 @@ class S3Requests:
     retries: int
     threads: int
     _client: Any  # a boto3 S3 client (boto3 has no type information)
+    _lean: LeanS3 | None
     _client_lock: threading.Lock
     _pool: ThreadPoolExecutor | None
     _down_until: float
@@ -78,7 +82,77 @@ class S3Requests:
                                             region_name="us-east-1")
         client = session.client("s3", endpoint_url=self.endpoint, config=config)
         client.meta.events.register("response-received.s3", self._on_response)
+        self._lean = LeanS3(client, session.get_credentials(), self.bucket, self.addressing, self.timeout)
         return client
+
+    @property
+    def lean(self) -> LeanS3:
+        """The lean path of single-object requests (pffs.store.s3lean)."""
+        if self._lean is None:
+            _ = self.client     # (made with it: one endpoint, region and credentials)
+        assert self._lean is not None
+        return self._lean
+
+    def _send(self, method: str, key: str, what: str, *, body: bytes = b"",
+              headers: dict[str, str] | None = None, hold: bool = True) -> Answer:
+        """One request on the lean path: its answer, whatever the status (the
+        caller reads it), after up to ``retries`` attempts where the network
+        failed or the server asked to be tried again (5xx), as boto3's
+        "standard" mode does; StoreUnavailable where no answer came, a timeout
+        that nothing answered since it began holding the endpoint (unless not
+        *hold*), as in :meth:`_error`."""
+        self._check_up(what)
+        lean = self.lean
+        for attempt in range(self.retries):
+            last = attempt == self.retries - 1
+            try:
+                a = lean.send(method, key, body=body, headers=headers)
+            except (OSError, http.client.HTTPException) as e:
+                if not last:
+                    self._back_off(attempt)
+                    continue
+                timeout = isinstance(e, TimeoutError)
+                if timeout:
+                    why = f"timeout: no answer in {self.timeout:g} s"
+                elif isinstance(e, OSError) and e.strerror:
+                    why = f"no connection to the endpoint: {e.strerror}"
+                else:
+                    why = str(e) or type(e).__name__
+                began = getattr(self._began, "t", 0.0)
+                if hold and timeout and self._last_answer <= began:
+                    self._down_reason = f"no answer a moment ago ({why})"
+                    self._down_until = time.monotonic() + DOWN_HOLD
+                raise StoreUnavailable(f"{self.url}: {what}: {why}") from None
+            self._last_answer = time.monotonic()
+            self._down_until = 0.0
+            if a.status < 500 or last:
+                return a
+            self._back_off(attempt)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _back_off(attempt: int) -> None:
+        time.sleep(random.uniform(0, 0.05 * 2 ** attempt))
+
+    def _refused(self, what: str, a: Answer) -> StoreUnavailable:
+        """The StoreUnavailable for an error answer *a* (worded as :meth:`_error`'s)."""
+        code = a.code
+        if code == "NoSuchBucket":
+            why = "the bucket does not exist"
+        elif a.status == 403:
+            why = f"access denied ({code or 'Forbidden'})"
+        else:
+            why = f"{code or 'error'} (HTTP {a.status})"
+        return StoreUnavailable(f"{self.url}: {what}: {why}")
+
+    def _get_body(self, key: str, what: str) -> Answer | None:
+        """GET *key* on the lean path: its answer, None where there is no such key."""
+        a = self._send("GET", key, what)
+        if a.status in (200, 206):
+            return a
+        if a.status == 404 and a.code != "NoSuchBucket":
+            return None
+        raise self._refused(what, a)
 
     def _on_response(self, response_dict=None, **kw) -> None:
         if response_dict is not None:  # the endpoint answered (any status)
