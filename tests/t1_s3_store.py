@@ -335,3 +335,30 @@ def test_a_page_costs_one_lean_request_and_no_boto3_call(weed, tmp_path, bf16_pa
     assert b.get(digest(pages[2])) == pages[2] and b.lean.requests == 3
     s.close()
     b.close()
+
+
+def test_a_forked_process_opens_its_own_connection(weed, store, bf16_pages):
+    """A process forked after a request (an engine forking its workers with a
+    store found already) reads on a connection of its own: two processes on
+    one kept-alive socket would read each other's answers."""
+    store.put(varied_pages(bf16_pages, 1, salt=12)[0])
+    assert store.get_object("none") is None     # (this thread's connection, kept alive)
+    mine = store.lean._kept().sock.getsockname()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:        # the child: one read, its connection's local address to the parent
+        code = 1
+        try:
+            os.close(r)
+            ok = store.get_object("none") is None
+            os.write(w, json.dumps([ok, list(store.lean._kept().sock.getsockname())]).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        ok, theirs = json.loads(f.read() or b"[false, []]")
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and ok
+    assert tuple(theirs) != tuple(mine)
+    assert store.get_object("none") is None and store.lean._kept().sock.getsockname() == mine

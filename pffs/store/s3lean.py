@@ -19,6 +19,7 @@ endpoint's hold are the store's (pffs.store.s3client).
 from __future__ import annotations
 
 import http.client
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -86,18 +87,25 @@ class LeanS3:
     def url(self, key: str) -> str:
         return self._origin + self._path + quote(key, safe="/~")
 
+    def _kept(self) -> http.client.HTTPConnection | None:
+        """This thread's kept-alive connection, if it opened one (in this
+        process: one inherited across a fork is the parent's, never used)."""
+        if getattr(self._local, "pid", None) != os.getpid():
+            self._local.conn = None
+        return getattr(self._local, "conn", None)
+
     def _connection(self) -> http.client.HTTPConnection:
-        c = getattr(self._local, "conn", None)
+        c = self._kept()
         if c is None:
             if self._https:
                 c = http.client.HTTPSConnection(self._host, timeout=self._timeout, context=self._ssl)
             else:
                 c = http.client.HTTPConnection(self._host, timeout=self._timeout)
-            self._local.conn = c
+            self._local.conn, self._local.pid = c, os.getpid()
         return c
 
     def _drop(self) -> None:
-        c = getattr(self._local, "conn", None)
+        c = self._kept()
         self._local.conn = None
         if c is not None:
             c.close()
@@ -118,7 +126,7 @@ class LeanS3:
         with self._lock:
             self.requests += 1
         for again in (True, False):
-            reused = getattr(self._local, "conn", None) is not None
+            reused = self._kept() is not None
             conn = self._connection()
             try:
                 conn.request(method, target, body=body or None, headers=sent)
