@@ -243,3 +243,48 @@ def test_a_frame_decodes_straight_into_runs_of_memory(name, cuts, bf16_pages):
     bad[len(bad) // 2] ^= 0x10
     with pytest.raises(CodecError):
         codec.decode_into_runs(bytes(bad), [np.zeros(len(page), np.uint8)], d)
+
+
+def test_a_low_plane_no_sample_of_which_compresses_is_not_compressed_whole(bf16_pages, fp16_pages):
+    """The low bytes of real bf16 KV do not compress: a large plane is tried on
+    a few samples and stored as it is, so zstd sees the high plane and the
+    samples only.  A page with zeros in it (unused token slots) or values of
+    few mantissa bits still has its low plane compressed."""
+    page = b"".join(bf16_pages)
+    page = (page * (-(-(2 << 20) // len(page))))[:2 << 20]
+    fed: list[int] = []
+    orig = codec._plane_compressor
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def compress(self, data):
+            fed.append(memoryview(data).nbytes)
+            return self.inner.compress(data)
+
+    def counting(level):
+        return Counting(orig(level))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec, "_plane_compressor", counting)
+        frame = codec.encode(page, "planes-zstd1")
+        assert not codec.read_header(frame).flags & codec.FLAG_LO_ZSTD
+        assert codec.read_header(frame).flags & codec.FLAG_HI_ZSTD
+        # The high plane whole (1 MiB) and the low plane's samples, never the low plane whole.
+        assert sum(fed) <= (1 << 20) + codec.LO_PROBES * codec.LO_PROBE
+        assert codec.decode(frame) == page
+        a = np.frombuffer(page, "<u2").copy()
+        zeros = a.copy()
+        for at in range(0, len(a), 16 << 10):      # (a tenth of every 32 KiB run unused)
+            zeros[at + (16 << 10) * 9 // 10:at + (16 << 10)] = 0
+        few_bits = a & 0xFFF0
+        for data in (zeros.tobytes(), few_bits.tobytes()):
+            fed.clear()
+            f = codec.encode(data, "planes-zstd1")
+            assert codec.read_header(f).flags & codec.FLAG_LO_ZSTD
+            assert sum(fed) >= 2 << 20 and codec.decode(f) == data
+    # fp16 KV's low plane (its low mantissa bits) is stored as it is too; the frame decodes.
+    p16 = b"".join(fp16_pages)[:1 << 20]
+    f = codec.encode(p16, "planes-zstd1")
+    assert not codec.read_header(f).flags & codec.FLAG_LO_ZSTD and codec.decode(f) == p16
