@@ -10,7 +10,11 @@ core, next to plain zstd level 1 and 19 (python-zstandard, no pffs framing)
 and the zstd command line, all measured in this run; then sha256 MB/s.
 With --fp8: bf16 pages beside fp8 ones (the fp16 KV quantized to e4m3 and
 e5m2 at a scale a layer, as an fp8 engine writes them), planes-zstd1
-against zstd-1 and zstd-3.
+against zstd-1 and zstd-3.  With --low-plane: planes-zstd1's encode of
+distinct real-KV pages at an 8B model's sizes (2 MiB: 16 tokens; 4 MiB:
+vLLM's CPU block of 32), its low plane tried on samples first (as pffs
+encodes) beside compressed whole (as before), in interleaved rounds: CPU
+time a page on this thread and the bytes of the frames.
 """
 
 from __future__ import annotations
@@ -101,12 +105,52 @@ def cli_zstd(pages: list[bytes], level: int) -> tuple[float, float]:
     return raw / stored, raw / dt / 1e6
 
 
+def low_plane(rounds: int) -> int:
+    """--low-plane: the encode with the low plane sampled first, beside compressed whole."""
+    import statistics
+
+    import torch
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from vllm_packing import real_pages
+    print(f"real KV: {KV_FILE}; planes-zstd1 encode a page on one thread, medians of {rounds} "
+          "interleaved rounds (thread CPU time)")
+    whole_from = 1 << 62
+    for tokens in (16, 32):
+        pages = real_pages(32, 2 * 32 * tokens * 8 * 128).view(torch.uint8)
+        views = [pages[i].numpy().data for i in range(len(pages))]
+        got: dict[str, list[float]] = {"sampled": [], "whole": []}
+        size: dict[str, int] = {}
+        sampled_from = codec.LO_PROBE_FROM
+        try:
+            for r in range(rounds):
+                for how in (("sampled", "whole") if r % 2 == 0 else ("whole", "sampled")):
+                    codec.LO_PROBE_FROM = sampled_from if how == "sampled" else whole_from
+                    t0 = time.thread_time()
+                    frames = [codec.encode(v, "planes-zstd1") for v in views]
+                    got[how].append((time.thread_time() - t0) / len(views) * 1e3)
+                    size[how] = sum(map(len, frames))
+        finally:
+            codec.LO_PROBE_FROM = sampled_from
+        mib = pages.shape[1] >> 20
+        s, w = statistics.median(got["sampled"]), statistics.median(got["whole"])
+        print(f"{mib} MiB pages ({len(views)} distinct): low plane sampled {s:.2f} ms "
+              f"({pages.shape[1] / s / 1e3:.0f} MB/s), compressed whole {w:.2f} ms "
+              f"({pages.shape[1] / w / 1e3:.0f} MB/s): {w / s:.2f}x; frames "
+              f"{size['sampled'] / pages.numel():.4f} and {size['whole'] / pages.numel():.4f} of the bytes")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--fp8", action="store_true", help="fp8 pages (e4m3, e5m2) beside bf16: "
                     "planes-zstd1 against zstd-1 and zstd-3")
+    ap.add_argument("--low-plane", action="store_true", help="planes-zstd1 encode at 2 and 4 MiB pages, "
+                    "the low plane sampled first beside compressed whole")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (--low-plane)")
     args = ap.parse_args()
+    if args.low_plane:
+        return low_plane(args.rounds)
     kinds, codecs, levels = ("bf16", "fp16", "urandom"), ("planes-zstd1", "zstd-1", "zstd-19", "raw"), (1, 19)
     if args.fp8:
         kinds, codecs, levels = ("bf16", "fp8e4m3", "fp8e5m2"), ("planes-zstd1", "zstd-1", "zstd-3"), (1, 3)
