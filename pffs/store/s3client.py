@@ -118,10 +118,8 @@ class S3Requests:
                     why = f"no connection to the endpoint: {e.strerror}"
                 else:
                     why = str(e) or type(e).__name__
-                began = getattr(self._began, "t", 0.0)
-                if hold and timeout and self._last_answer <= began:
-                    self._down_reason = f"no answer a moment ago ({why})"
-                    self._down_until = time.monotonic() + DOWN_HOLD
+                if hold and timeout:
+                    self._hold_if_silent(why)
                 raise StoreUnavailable(f"{self.url}: {what}: {why}") from None
             self._last_answer = time.monotonic()
             self._down_until = 0.0
@@ -136,14 +134,14 @@ class S3Requests:
 
     def _refused(self, what: str, a: Answer) -> StoreUnavailable:
         """The StoreUnavailable for an error answer *a* (worded as :meth:`_error`'s)."""
-        code = a.code
-        if code == "NoSuchBucket":
-            why = "the bucket does not exist"
-        elif a.status == 403:
-            why = f"access denied ({code or 'Forbidden'})"
-        else:
-            why = f"{code or 'error'} (HTTP {a.status})"
-        return StoreUnavailable(f"{self.url}: {what}: {why}")
+        return StoreUnavailable(f"{self.url}: {what}: {_refusal(a.code, a.status)}")
+
+    def _hold_if_silent(self, why: str) -> None:
+        """After a timeout: fail requests at once for DOWN_HOLD seconds, unless
+        the endpoint answered something since this thread's request began."""
+        if self._last_answer <= getattr(self._began, "t", 0.0):
+            self._down_reason = f"no answer a moment ago ({why})"
+            self._down_until = time.monotonic() + DOWN_HOLD
 
     def _get_body(self, key: str, what: str) -> Answer | None:
         """GET *key* on the lean path: its answer, None where there is no such key."""
@@ -192,23 +190,23 @@ class S3Requests:
         nothing answered since it began holds the endpoint (unless not *hold*)."""
         from botocore.exceptions import ClientError
         if isinstance(e, ClientError):
-            code, status = _code(e), http_status(e)
-            if code == "NoSuchBucket":
-                why = "the bucket does not exist"
-            elif status == 403:
-                why = f"access denied ({code})"
-            else:
-                why = f"{code or 'error'} (HTTP {status})"
+            why = _refusal(_code(e), http_status(e))
         else:
             from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
             why = str(e) or type(e).__name__
-            began = getattr(self._began, "t", 0.0)
-            if hold and isinstance(e, (ConnectTimeoutError, ReadTimeoutError)) \
-                    and self._last_answer <= began:
+            if hold and isinstance(e, (ConnectTimeoutError, ReadTimeoutError)):
                 # Refused connections fail fast by themselves; only timeouts hold.
-                self._down_reason = f"no answer a moment ago ({why})"
-                self._down_until = time.monotonic() + DOWN_HOLD
+                self._hold_if_silent(why)
         return StoreUnavailable(f"{self.url}: {what}: {why}")
+
+
+def _refusal(code: str, status: int) -> str:
+    """Why the server refused a request, from its S3 error code and HTTP status."""
+    if code == "NoSuchBucket":
+        return "the bucket does not exist"
+    if status == 403:
+        return f"access denied ({code or 'Forbidden'})"
+    return f"{code or 'error'} (HTTP {status})"
 
 
 def http_status(e) -> int:
