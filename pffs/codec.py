@@ -232,11 +232,15 @@ LO_PROBE = 32 << 10
 LO_PROBES = 4
 
 
+def _samples(n: int, size: int, count: int) -> range:
+    """Offsets of *count* samples of *size* bytes spread over *n* bytes (n >= size * count)."""
+    return range(0, n - size + 1, n // count)
+
+
 def _plane_gains(plane: np.ndarray, level: int) -> bool:
-    n = len(plane)
     c = _plane_compressor(level)
     return any(len(c.compress(plane[at:at + LO_PROBE].data)) <= LO_PROBE * (1 - MIN_GAIN)
-               for at in range(0, n - LO_PROBE + 1, n // LO_PROBES))
+               for at in _samples(len(plane), LO_PROBE, LO_PROBES))
 
 
 def _plane_payload(plane: np.ndarray, level: int, bit: int,
@@ -354,7 +358,7 @@ def encode_parts(data, codec: Codec | str = DEFAULT_CODEC, pool: Executor | None
         raise CodecError(f"blob of {n} bytes exceeds the {MAX_RAW}-byte frame limit")
     crc = crc32(raw)
     if codec.id != CODEC_RAW and n >= PROBE_FROM and not any(
-            _gains(raw[at:at + PROBE], codec) for at in range(0, n - PROBE + 1, n // PROBES)):
+            _gains(raw[at:at + PROBE], codec) for at in _samples(n, PROBE, PROBES)):
         codec = _RAW     # (a large block of which no sample compresses: random bytes)
     if codec.id != CODEC_RAW and n:
         flags = 0
